@@ -1,0 +1,41 @@
+# TorchPass: `make demo` and `make test` are the two commands a new machine needs.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEVCLUSTER := contrib/devcluster/devcluster
+
+.PHONY: setup deps venv spank test unit lint demo clean-cluster
+
+setup: deps venv spank
+
+deps:
+	@bash contrib/install/install-deps.sh
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo "[setup] creating $(VENV) with torch (CPU) and the project"
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@$(VPY) -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+	@$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+spank:
+	@if [ -f spank/Makefile ]; then $(MAKE) -s -C spank; fi
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+unit: setup
+	$(VENV)/bin/pytest tests/unit -q
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+demo: setup
+	@$(VPY) -m contrib.demo
+
+clean-cluster:
+	-$(DEVCLUSTER) down

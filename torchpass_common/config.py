@@ -1,0 +1,164 @@
+"""Loading and validating the one TorchPass config file (TOML). Default path
+/etc/torchpass/torchpass.toml, overridden by ``--config`` or ``TORCHPASS_CONFIG``. Each section
+is a dataclass; unknown keys, wrong types and bad values are ConfigErrors naming file and key."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchpass_common.errors import ConfigError
+from torchpass_common.timeouts import Timeouts
+
+DEFAULT_PATH = Path("/etc/torchpass/torchpass.toml")
+ENV_VAR = "TORCHPASS_CONFIG"
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Where the MQTT broker is and how to authenticate to it."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str = ""
+    password_file: str = ""
+    tls_ca: str = ""
+    keepalive: int = 5
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """How the scheduler adapter reaches slurmctld and where spares live."""
+
+    backend: str = "auto"  # auto | pyslurm | rest | commands
+    slurm_conf: str = ""
+    poll_interval: float = 1.0
+    spare_reservation: str = "torchpass_spares"
+    rest_url: str = ""
+    command_timeout: float = 30.0
+
+    def validate(self) -> None:
+        if self.backend not in ("auto", "pyslurm", "rest", "commands"):
+            raise ConfigError(f"slurm.backend must be auto, pyslurm, rest or commands, got {self.backend!r}")
+        if self.poll_interval <= 0:
+            raise ConfigError(f"slurm.poll_interval must be positive, got {self.poll_interval}")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """torchpassd's own files and endpoints."""
+
+    state_dir: str = "/var/lib/torchpass"
+    control_socket: str = "/run/torchpass/torchpassd.sock"
+    control_group: str = ""
+    metrics_port: int = 9464
+    drills_enabled: bool = False
+
+
+@dataclass(frozen=True)
+class WormholeConfig:
+    """The bulk state-transfer engine."""
+
+    streams: int = 2
+    chunk_bytes: int = 8 << 20
+    bind_host: str = "0.0.0.0"
+
+    def validate(self) -> None:
+        if not 1 <= self.streams <= 64:
+            raise ConfigError(f"wormhole.streams must be between 1 and 64, got {self.streams}")
+        if self.chunk_bytes < 4096:
+            raise ConfigError(f"wormhole.chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; ``source`` is the file it came from (None: built-in defaults)."""
+
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    wormhole: WormholeConfig = field(default_factory=WormholeConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    source: str | None = None
+
+
+def _check_type(value: Any, annotation: Any, key: str, origin: str) -> Any:
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - dataclass field annotations only
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    base = typing.get_origin(annotation)
+    if base in (typing.Union, types.UnionType):
+        if any(_matches(value, a) for a in typing.get_args(annotation)):
+            return value
+    elif _matches(value, annotation):
+        return value
+    raise ConfigError(f"{origin}: {key} must be of type {getattr(annotation, '__name__', annotation)}, "
+                      f"got {type(value).__name__} {value!r}")
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation in (int, float):
+        return isinstance(value, annotation) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _build(cls: type, data: dict[str, Any], section: str, origin: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{origin}: unknown key(s) in [{section}]: {', '.join(unknown)}",
+                          hint=f"known keys: {', '.join(sorted(known))}")
+    kwargs = {k: _check_type(v, known[k].type, f"{section}.{k}", origin) for k, v in data.items()}
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc.message}", hint=exc.hint) from exc
+    return obj
+
+
+def parse(text: str, origin: str = "<string>") -> Config:
+    """Parse and validate TOML text into a Config."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin}: not valid TOML: {exc}") from exc
+    sections = {f.name: f for f in dataclasses.fields(Config) if f.name != "source"}
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"{origin}: unknown section(s): {', '.join(unknown)}",
+                          hint=f"known sections: {', '.join(sorted(sections))}")
+    built = {}
+    for name, f in sections.items():
+        data = raw.get(name, {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: [{name}] must be a table")
+        built[name] = _build(f.default_factory, data, name, origin)  # type: ignore[misc]
+    return Config(**built, source=origin)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load the config: ``path`` if given, else $TORCHPASS_CONFIG, else the default path.
+    A missing default file gives the built-in defaults; a missing explicit file is an error."""
+    explicit = path or os.environ.get(ENV_VAR)
+    p = Path(explicit) if explicit else DEFAULT_PATH
+    if not p.exists():
+        if explicit:
+            raise ConfigError(f"config file {p} does not exist",
+                              hint=f"pass an existing file with --config or {ENV_VAR}")
+        return Config()
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
+    return parse(text, str(p))
