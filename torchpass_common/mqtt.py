@@ -178,10 +178,18 @@ class ControlClient:
             self.connects += 1
             self._connected.set()
             log.get(client=self.client_id).info("mqtt.connected", connects=self.connects)
-            if self._on_connect is not None:
-                try:
-                    await self._on_connect(self)
-                except TorchPassError as exc:  # a re-announce that failed; the next connect retries
-                    log.get(client=self.client_id).warning("mqtt.on_connect_failed", error=str(exc))
-            async for message in client.messages:
-                self._inbox.put_nowait((str(message.topic), bytes(message.payload)))
+            # on_connect runs beside the message pump: if it publishes and the link drops
+            # meanwhile, the pump sees the drop and the next session retries the announcement.
+            announce = asyncio.create_task(self._announce(self._on_connect)) if self._on_connect else None
+            try:
+                async for message in client.messages:
+                    self._inbox.put_nowait((str(message.topic), bytes(message.payload)))
+            finally:
+                if announce is not None:
+                    announce.cancel()
+
+    async def _announce(self, on_connect: OnConnect) -> None:
+        try:
+            await on_connect(self)
+        except TorchPassError as exc:
+            log.get(client=self.client_id).warning("mqtt.on_connect_failed", error=str(exc))
