@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 spank:
-	@if [ -f spank/Makefile ]; then $(MAKE) -s -C spank; fi
+	$(MAKE) -s -C spank
 
 lint: venv
 	$(VENV)/bin/ruff check .

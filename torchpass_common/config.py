@@ -40,7 +40,8 @@ class SlurmConfig:
     slurm_conf: str = ""
     poll_interval: float = 1.0
     spare_reservation: str = "torchpass_spares"
-    rest_url: str = ""
+    rest_url: str = ""  # http://HOST:PORT (JWT) or unix:/PATH (slurmrestd local auth)
+    rest_user: str = ""  # user the JWT is minted for; default: the user torchpassd runs as
     command_timeout: float = 30.0
 
     def validate(self) -> None:

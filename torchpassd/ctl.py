@@ -14,3 +14,9 @@ import click
 def main(ctx: click.Context, config_path: str | None) -> None:
     """Operate TorchPass: see jobs, nodes and spares, start and review migrations, run drills."""
     ctx.obj = {"config_path": config_path}
+
+
+from torchpassd import ctl_slurm  # noqa: E402 - commands register on the group defined above
+
+for _command in ctl_slurm.COMMANDS:
+    main.add_command(_command)

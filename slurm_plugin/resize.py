@@ -1,0 +1,146 @@
+"""Changing a running job's nodes and launching work on them: grow a job by a spare
+(``salloc --no-shell --dependency=expand:J`` as the job's user, then merge the helper with
+``scontrol update jobid=HELPER NumNodes=0``), start a step on one node (``srun --no-kill
+--overlap --torchpass``), release a node (``NodeList=``; never the batch host), list hot spares.
+Needs SchedulerParameters=permit_job_expansion, and slurmdbd for repeated shrinks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from slurm_plugin import hostlist
+from slurm_plugin.client import SlurmClient
+from slurm_plugin.model import Job
+from slurm_plugin.runner import SlurmRunner
+from slurm_plugin.spares import SparePool
+from torchpass_common import log
+from torchpass_common.errors import SlurmError
+
+_GRANTED = re.compile(r"Granted job allocation (\d+)")
+SETTLE_TIMEOUT = 10.0  # seconds for slurmctld to show a resize it has acknowledged
+
+
+class JobResizer:
+    """Resizes jobs of one cluster. ``runner`` runs the commands, ``client`` reads the result."""
+
+    def __init__(self, runner: SlurmRunner, client: SlurmClient, *,
+                 spare_reservation: str = "torchpass_spares") -> None:
+        self.runner = runner
+        self.client = client
+        self.spare_reservation = spare_reservation
+
+    def _job(self, job_id: int) -> Job:
+        job = self.client.job(job_id)
+        if job is None or not job.active:
+            raise SlurmError(f"job {job_id} is not running ({job.state if job else 'unknown to slurmctld'})",
+                             job=job_id)
+        return job
+
+    def _settle(self, job_id: int, done: str, ok: Callable[[Job], bool]) -> Job:
+        deadline = time.monotonic() + SETTLE_TIMEOUT
+        while True:
+            job = self._job(job_id)
+            if ok(job):
+                return job
+            if time.monotonic() > deadline:
+                raise SlurmError(f"slurmctld accepted the resize but job {job_id} still runs on "
+                                 f"{hostlist.compress(job.nodes)} after {SETTLE_TIMEOUT:.0f} s ({done})",
+                                 job=job_id)
+            time.sleep(0.1)
+
+    def add_node(self, job_id: int, node: str) -> Job:
+        """Grow running job ``job_id`` by ``node`` (a node of the spare reservation)."""
+        job = self._job(job_id)
+        if node in job.nodes:
+            return job
+        where = {"job": job_id, "node": node}
+        name = f"torchpass-expand-{job_id}"
+        argv = ["salloc", "--no-shell", f"--dependency=expand:{job_id}", "-N1", "-w", node,
+                f"--reservation={self.spare_reservation}", f"--job-name={name}", "--immediate=20"]
+        if job.partition:
+            argv.append(f"--partition={job.partition}")
+        t0 = time.monotonic()
+        try:
+            out = self.runner.run(argv, user=job.user, with_stderr=True, **where)
+        except SlurmError:
+            self._cancel_helpers(name, job.user)
+            raise
+        m = _GRANTED.search(out)
+        if not m:
+            self._cancel_helpers(name, job.user)
+            raise SlurmError(f"salloc gave no job id for the helper allocation: {out.strip()!r}", **where)
+        helper = int(m.group(1))
+        with tempfile.TemporaryDirectory() as cwd:  # scontrol may drop slurm_job_*_resize.sh files here
+            try:
+                self.runner.run(["scontrol", "update", f"jobid={helper}", "NumNodes=0"], cwd=cwd, **where)
+            except SlurmError:
+                self.runner.run(["scancel", str(helper)], **where)
+                raise
+        job = self._settle(job_id, f"adding {node}", lambda j: node in j.nodes)
+        log.get(job=job_id).info("slurm.job_grown", node=node, helper=helper,
+                                 seconds=round(time.monotonic() - t0, 3), nodes=hostlist.compress(job.nodes))
+        return job
+
+    def _cancel_helpers(self, name: str, user: str) -> None:
+        try:
+            self.runner.run(["scancel", f"--name={name}", f"--user={user}"])
+        except SlurmError as exc:
+            log.get().warning("slurm.helper_cancel_failed", name=name, error=str(exc))
+
+    def add_spare(self, job_id: int, pool: SparePool) -> str:
+        """Take a spare from ``pool``, grow the job by it, and return its name (the spare goes
+        back to the pool if Slurm refuses)."""
+        node = pool.take(job=job_id)
+        try:
+            self.add_node(job_id, node)
+        except SlurmError:
+            pool.give_back(node)
+            raise
+        return node
+
+    def release_node(self, job_id: int, node: str) -> Job:
+        """Shrink running job ``job_id`` so it no longer holds ``node``; its other nodes and the
+        steps on them keep running. The batch host cannot be released (a Slurm rule)."""
+        job = self._job(job_id)
+        if node not in job.nodes:
+            return job
+        if node == job.batch_host:
+            raise SlurmError(f"{node} is the batch host of job {job_id}; Slurm cannot remove it from the job",
+                             job=job_id, node=node,
+                             hint="keep training ranks off the batch host (run them in steps on the other "
+                                  "nodes) or start the job with salloc, which has no batch script")
+        keep = [n for n in job.nodes if n != node]
+        if not keep:
+            raise SlurmError(f"{node} is the last node of job {job_id}; releasing it would end the job",
+                             job=job_id, node=node)
+        with tempfile.TemporaryDirectory() as cwd:
+            self.runner.run(["scontrol", "update", f"jobid={job_id}", f"NodeList={hostlist.compress(keep)}"],
+                            cwd=cwd, job=job_id, node=node)
+        job = self._settle(job_id, f"releasing {node}", lambda j: node not in j.nodes)
+        log.get(job=job_id).info("slurm.node_released", node=node, nodes=hostlist.compress(job.nodes))
+        return job
+
+    def start_step(self, job_id: int, node: str, argv: Sequence[str], *, mode: str = "auto",
+                   extra_env: Mapping[str, str] | None = None, **popen: object) -> subprocess.Popen:
+        """Start ``argv`` as a one-task step of job ``job_id`` on ``node``, as the job's user, under
+        TorchPass (shim first on PATH), with --no-kill and --overlap (it may share CPUs with the
+        job's long-running training step). Returns the srun process; the caller waits for it."""
+        job = self._job(job_id)
+        if node not in job.nodes:
+            raise SlurmError(f"{node} is not part of job {job_id} ({hostlist.compress(job.nodes)})",
+                             job=job_id, node=node, hint="add it first (JobResizer.add_node)")
+        cmd = ["srun", f"--jobid={job_id}", "-w", node, "-N1", "-n1", "--no-kill", "--overlap",
+               f"--torchpass={mode}", "--", *argv]
+        log.get(job=job_id).info("slurm.step_start", node=node, argv=list(argv))
+        return self.runner.popen(cmd, user=job.user, extra_env=extra_env, **popen)
+
+    def hot_spares(self, job_id: int, busy: Iterable[str]) -> list[str]:
+        """Healthy nodes of the job's own allocation that run no ranks (``--torchpass-spares=N``)."""
+        job = self._job(job_id)
+        nodes = self.client.nodes()
+        taken = set(busy)
+        return [n for n in job.nodes if n not in taken and n in nodes and nodes[n].healthy]
