@@ -1,0 +1,225 @@
+"""Wormhole throughput against raw TCP, measured in one run between the same two endpoints:
+plain sendall / recv_into of a pre-touched bytearray versus ``send_state`` of a model-like state
+(embedding + transformer layers, 2 GiB by default) into a pre-faulted template, for 1 and 2
+streams. Endpoints are two child processes, on loopback or (``--devcluster``) in nodes n1 and n2.
+``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launchpad.wormhole import StateReceiver, send_state
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVCLUSTER = ROOT / "contrib" / "devcluster" / "devcluster"
+IO_TIMEOUT = 120.0
+
+
+def model_state(total_bytes: int, dim: int = 2048, ffn: int = 5632, vocab: int = 32000) -> dict[str, Any]:
+    """A transformer-like state_dict of float32 tensors summing to about ``total_bytes``."""
+    state: dict[str, Any] = {"embed.weight": torch.empty(vocab, dim)}
+    size, layer = vocab * dim * 4, 0
+    shapes = [("attn.q", (dim, dim)), ("attn.k", (dim, dim)), ("attn.v", (dim, dim)), ("attn.o", (dim, dim)),
+              ("mlp.up", (ffn, dim)), ("mlp.down", (dim, ffn)), ("norm1", (dim,)), ("norm2", (dim,))]
+    while size < total_bytes:
+        for name, shape in shapes:
+            t = torch.empty(shape)
+            state[f"layers.{layer}.{name}.weight"] = t
+            size += t.numel() * 4
+        layer += 1
+    for i, t in enumerate(state.values()):
+        t.fill_(float(i))  # touches every page; the data is irrelevant to throughput
+    return {"model": state, "step": 1234}
+
+
+def _ranges(total: int, streams: int) -> list[tuple[int, int]]:
+    step = -(-total // streams)
+    return [(lo, min(lo + step, total)) for lo in range(0, total, step)]
+
+
+def _raw_serve(sock: socket.socket, buf: memoryview, streams: int) -> None:
+    conns = [sock.accept()[0] for _ in range(streams)]
+
+    def one(conn: socket.socket) -> None:
+        conn.settimeout(IO_TIMEOUT)
+        lo, hi = _ranges(len(buf), streams)[int.from_bytes(conn.recv(1), "big")]
+        view = buf[lo:hi]
+        while len(view):
+            view = view[conn.recv_into(view, min(len(view), 1 << 26)):]
+        conn.sendall(b"k")
+        conn.close()
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _raw_send(host: str, port: int, buf: memoryview, streams: int) -> float:
+    t0 = time.perf_counter()
+    conns = [socket.create_connection((host, port), timeout=IO_TIMEOUT) for _ in range(streams)]
+
+    def one(i: int, conn: socket.socket) -> None:
+        conn.sendall(bytes([i]))
+        lo, hi = _ranges(len(buf), streams)[i]
+        conn.sendall(buf[lo:hi])
+        assert conn.recv(1) == b"k"
+        conn.close()
+
+    threads = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _role_receiver(args: argparse.Namespace) -> None:
+    """Child process: for each command line on stdin, listen, print the port, receive, report."""
+    token = bytes.fromhex(sys.stdin.readline().strip())
+    state = model_state(args.bytes)
+    raw = memoryview(bytearray(sum(t.numel() * 4 for t in state["model"].values())))
+    raw[::4096] = b"\1" * len(raw[::4096])  # touch every page, like the template
+    for line in sys.stdin:
+        kind, streams = line.split()[0], int(line.split()[1])
+        if kind == "raw":
+            sock = socket.create_server((args.host, 0))
+            print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
+            _raw_serve(sock, raw, streams)
+            sock.close()
+            print(json.dumps({"ok": True}), flush=True)
+            continue
+        template = None if kind == "fresh" else state
+        with StateReceiver(args.host, 0, token, streams=streams, template=template,
+                           in_place=(kind == "inplace")) as rx:
+            print(json.dumps({"port": rx.port}), flush=True)
+            got = rx.receive(timeout=IO_TIMEOUT)
+        assert got["step"] == 1234 and len(got["model"]) == len(state["model"])
+        print(json.dumps({"ok": True, "seconds": rx.stats.seconds}), flush=True)
+
+
+def _role_sender(args: argparse.Namespace) -> None:
+    """Child process: for each "kind streams port" line on stdin, send and print the seconds."""
+    token = bytes.fromhex(sys.stdin.readline().strip())
+    state = model_state(args.bytes)
+    raw = memoryview(bytearray(sum(t.numel() * 4 for t in state["model"].values())))
+    raw[::4096] = b"\1" * len(raw[::4096])
+    print(json.dumps({"bytes": len(raw)}), flush=True)
+    for line in sys.stdin:
+        kind, streams, port = line.split()[0], int(line.split()[1]), int(line.split()[2])
+        if kind == "raw":
+            seconds = _raw_send(args.host, port, raw, streams)
+        else:
+            t0 = time.perf_counter()
+            send_state(state, args.host, port, token, streams=streams, chunk_bytes=args.chunk)
+            seconds = time.perf_counter() - t0
+        print(json.dumps({"seconds": seconds}), flush=True)
+
+
+class _Peer:
+    """A child endpoint process spoken to by JSON lines."""
+
+    def __init__(self, role: str, node: str | None, host: str, args: argparse.Namespace, token: bytes) -> None:
+        argv = [sys.executable, "-m", "bench.wormhole", "--role", role, "--host", host,
+                "--bytes", str(args.bytes), "--chunk", str(args.chunk)]
+        if node:
+            argv = [str(DEVCLUSTER), "exec", node, "--", *argv]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.send(token.hex())
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark peer exited (rc={self.proc.wait(30)})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _endpoints(devcluster: bool) -> tuple[str | None, str | None, str]:
+    if not devcluster:
+        return None, None, "127.0.0.1"
+    status = json.loads(subprocess.run([str(DEVCLUSTER), "status", "--json"], capture_output=True, text=True,
+                                       check=True, timeout=60).stdout)
+    nodes = {n["name"]: n["addr"] for n in status["nodes"]}
+    return "n1", "n2", nodes["n2"]
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench wormhole")
+    p.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
+    p.add_argument("--streams", default="1,2", help="stream counts to measure (default 1,2)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per case; the median is reported")
+    p.add_argument("--chunk-mib", type=int, default=8, help="wormhole chunk size in MiB (default 8)")
+    p.add_argument("--extra", action="store_true", help="also measure staged-template and no-template receives")
+    p.add_argument("--devcluster", action="store_true", help="sender in node n1, receiver in n2 (dev cluster up)")
+    args = p.parse_args(argv)
+    args.bytes, args.chunk = int(args.gib * (1 << 30)), args.chunk_mib << 20
+    send_node, recv_node, host = _endpoints(args.devcluster)
+    token = secrets.token_bytes(32)
+    rx = _Peer("receiver", recv_node, host, args, token)
+    tx = _Peer("sender", send_node, host, args, token)
+    kinds = ["raw", "inplace"] + (["staged", "fresh"] if args.extra else [])
+    result: dict[str, Any] = {"endpoints": "devcluster n1->n2" if args.devcluster else "loopback",
+                              "chunk_mib": args.chunk_mib}
+    try:
+        total = tx.read()["bytes"]
+        result["bytes"] = total
+        for streams in [int(s) for s in args.streams.split(",")]:
+            for kind in kinds:
+                times = []
+                for _ in range(args.reps):
+                    rx.send(f"{kind} {streams}")
+                    port = rx.read()["port"]
+                    tx.send(f"{kind} {streams} {port}")
+                    times.append(tx.read()["seconds"])
+                    rx.read()
+                result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times) / 1e9, 3)
+            result[f"ratio_s{streams}"] = round(result[f"inplace_s{streams}_gbps"] / result[f"raw_s{streams}_gbps"], 3)
+    finally:
+        tx.close()
+        rx.close()
+    top = max(int(s) for s in args.streams.split(","))
+    result["ratio"] = result[f"ratio_s{top}"]
+    return result
+
+
+def _child(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["sender", "receiver"], required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--chunk", type=int, required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    (_role_sender if args.role == "sender" else _role_receiver)(args)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
