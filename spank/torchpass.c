@@ -31,7 +31,8 @@ static char shimdir[4096];
 
 static int set_mode(const char *arg)
 {
-	if (arg == NULL || arg[0] == '\0')
+	/* A bare --torchpass reaches sruns inside the job through SLURM_SPANK_* as "(null)". */
+	if (arg == NULL || arg[0] == '\0' || !strcmp(arg, "(null)"))
 		arg = "auto";
 	if (strcmp(arg, "aware") && strcmp(arg, "transparent") && strcmp(arg, "auto")) {
 		slurm_error("torchpass: --torchpass=%s: mode must be aware, transparent or auto", arg);
