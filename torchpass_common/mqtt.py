@@ -130,15 +130,17 @@ class ControlClient:
 
     async def messages(self) -> AsyncIterator[tuple[str, protocol.Message]]:
         """Yield ``(topic, message)`` for every valid message, across reconnects, forever.
-        A payload that fails decoding, or whose kind or job does not match its topic, is
-        logged as ``mqtt.message_rejected`` and skipped."""
+        A payload that fails decoding, or whose kind, job or node does not match its topic,
+        is logged as ``mqtt.message_rejected`` and skipped. Use one consumer per client."""
         while True:
             topic, payload = await self._inbox.get()
             try:
                 where = protocol.parse_topic(topic)
                 msg = protocol.decode(payload)
-                if msg.kind != where.kind or msg.job != where.job:
-                    raise ProtocolError(f"{msg.kind} message of job {msg.job} arrived on topic {topic}",
+                # Per-node kinds that name their node must name the topic's; events may name any.
+                node = msg.body.get("node", where.node) if where.node is not None else None
+                if msg.kind != where.kind or msg.job != where.job or node != where.node:
+                    raise ProtocolError(f"{msg.kind} message of job {msg.job} node {node} arrived on topic {topic}",
                                         hint="a sender is misconfigured or hostile")
             except ProtocolError as exc:
                 log.get(client=self.client_id).warning("mqtt.message_rejected", topic=topic,
@@ -172,8 +174,12 @@ class ControlClient:
             # Without TCP_NODELAY the first messages of a connection stall ~40 ms (Nagle).
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         async with client:
-            for topic_filter in list(self._filters):
-                await client.subscribe(topic_filter, qos=1)
+            done: set[str] = set()
+            # Loop until no filter is pending: subscribe() may add one while we await here.
+            while pending := [f for f in self._filters if f not in done]:
+                for topic_filter in pending:
+                    await client.subscribe(topic_filter, qos=1)
+                    done.add(topic_filter)
             self._client = client
             self.connects += 1
             self._connected.set()

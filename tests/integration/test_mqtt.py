@@ -48,12 +48,16 @@ def test_publish_subscribe_round_trip(mosquitto):
     async def scenario() -> None:
         async with ControlClient(mosquitto.config(), "orch") as orch, ControlClient(mosquitto.config(), "lp") as lp:
             await orch.wait_connected(10)
-            await orch.subscribe(protocol.nodes_filter("heartbeat", job=JOB))
+            await orch.subscribe(protocol.job_filter(JOB))
             await lp.wait_connected(10)
             await lp.publish(protocol.hb_topic(JOB, NODE), heartbeat(5))
             topic, msg = await next_message(orch)
             assert topic == protocol.hb_topic(JOB, NODE)
             assert (msg.kind, msg.job, msg.gen, msg.body["seq"]) == ("heartbeat", JOB, 1, 5)
+            event = {"event": "node.drain_seen", "node": "n3"}  # events may name any node
+            await lp.publish(protocol.events_topic(JOB), protocol.encode("event", job=JOB, gen=1, body=event))
+            topic, msg = await next_message(orch)
+            assert (topic, msg.body) == (protocol.events_topic(JOB), event)
     run(scenario())
 
 
@@ -152,7 +156,8 @@ def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto
     oversized = b"\x91" * (protocol.MAX_MESSAGE_BYTES + 1)
     wrong_job = protocol.encode("heartbeat", job="other", gen=1,
                                 body={"node": NODE, "seq": 1, "workers": []})
-    hostile = [b"not msgpack \xc1", oversized, wrong_job, state(True)]  # state(True) on the hb topic
+    wrong_node = protocol.encode("heartbeat", job=JOB, gen=1, body={"node": "n2", "seq": 1, "workers": []})
+    hostile = [b"not msgpack \xc1", oversized, wrong_job, wrong_node, state(True)]  # state(True) on the hb topic
 
     async def scenario() -> protocol.Message:
         async with ControlClient(mosquitto.config(), "orch") as orch:
@@ -171,5 +176,6 @@ def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto
     reasons = [e["reason"] for e in rejected]
     assert "not valid msgpack" in reasons[0]
     assert "exceeds the limit" in reasons[1]
-    assert "message of job other arrived on topic" in reasons[2]
-    assert "state message of job" in reasons[3]
+    assert "heartbeat message of job other node n1 arrived on topic" in reasons[2]
+    assert "heartbeat message of job 4242 node n2 arrived on topic" in reasons[3]
+    assert "state message of job" in reasons[4]
