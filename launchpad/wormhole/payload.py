@@ -71,8 +71,15 @@ class Source:
 
     def close(self) -> None:
         if isinstance(self._keep, mmap.mmap):
-            self.view.release()
-            self._keep.close()
+            _unmap(self.view, self._keep)
+
+
+def _unmap(view: memoryview, mm: mmap.mmap) -> None:
+    view.release()
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a stream thread abandoned at the deadline still holds a slice; GC unmaps it later
 
 
 def tensor_source(t: torch.Tensor, path: str) -> Source:
@@ -207,8 +214,7 @@ class FileSink(Sink):
 
     def _unmap(self) -> None:
         if self._mm is not None:
-            self.view.release()
-            self._mm.close()
+            _unmap(self.view, self._mm)
             self._mm = None
 
     def commit(self) -> Path:

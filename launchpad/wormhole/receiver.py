@@ -42,9 +42,10 @@ def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Si
                                 f"offset {offset} length {length}", peer=stream.peer,
                                 hint="the stream was corrupted; retry the transfer")
         sink = sinks[item]
-        view = sink.view[offset:offset + length]
-        stream.recv_into(view)
-        if checksum(view) != crc:
+        with sink.view[offset:offset + length] as view:
+            stream.recv_into(view)
+            intact = checksum(view) == crc
+        if not intact:
             raise WormholeError(f"checksum mismatch in {sink.path} bytes {offset}..{offset + length} "
                                 f"on stream {index} (corrupted in transit)", peer=stream.peer,
                                 hint="retry the transfer; if it repeats, check the NIC and link")

@@ -30,9 +30,9 @@ MAX_STREAMS = 64
 def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], meter: Meter) -> None:
     try:
         for c in chunks:
-            view = sources[c.item].view[c.offset:c.offset + c.length]
-            stream.send(CHUNK.pack(c.item, c.offset, c.length, checksum(view)))
-            stream.send(view)
+            with sources[c.item].view[c.offset:c.offset + c.length] as view:
+                stream.send(CHUNK.pack(c.item, c.offset, c.length, checksum(view)))
+                stream.send(view)
             meter.add(c.length)
         ok, message = recv_status(stream)
     except WormholeError as exc:
