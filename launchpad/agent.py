@@ -1,0 +1,136 @@
+"""The agent's life: rendezvous, the local channel, the control plane (when a job and broker
+are given), rounds of workers with torchrun's restart rule, signal forwarding, and the exit code.
+One asyncio loop (uvloop where available); blocking store calls run on one helper thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from launchpad.channel import ChannelServer
+from launchpad.group import Outcome, WorkerGroup
+from launchpad.rendezvous import Rendezvous
+from launchpad.spec import LaunchSpec
+from torchpass_common import log
+from torchpass_common.config import Config
+from torchpass_common.errors import TorchPassError
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_FAILURE_POLL = 0.5  # seconds between looks at the store for another node's failure
+
+
+class Agent:
+    """State shared by the parts of one launchpad run (commands and heartbeats read it)."""
+
+    def __init__(self, spec: LaunchSpec, config: Config) -> None:
+        self.spec, self.config, self.timeouts = spec, config, config.timeouts
+        self.node = str(spec.node)
+        self.gen = 1
+        self.world_size = 0
+        self.group: WorkerGroup | None = None
+        self.rdzv: Rendezvous
+        self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
+        self.channel = ChannelServer(str(self._tmp / "agent.sock"))
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")
+        self._stop = asyncio.Event()
+        self._signal: int | None = None
+        self._log = log.get(job=spec.job, node=self.node)
+
+    async def _store(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn, *args)
+
+    def _on_signal(self, sig: int) -> None:
+        self._log.warning("agent.signal", signal=signal.Signals(sig).name)
+        self._signal = sig
+        self._stop.set()
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in _FORWARDED:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self.channel.start()
+            self.rdzv = await self._store(Rendezvous, self.spec)
+            if self.spec.job:
+                from launchpad.control import ControlPlane  # deferred: only with a control plane
+
+                async with ControlPlane(self):
+                    return await self._rounds()
+            return await self._rounds()
+        except TorchPassError as exc:
+            print(f"launchpad: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            if self.group is not None:
+                await self.group.stop()
+            await self.channel.close()
+            self._store_thread.shutdown(wait=False, cancel_futures=True)
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def _rounds(self) -> int:
+        """torchrun's rule: on a failure restart all workers (every node, a new round) until
+        --max-restarts is spent; then stop and exit non-zero naming the failed worker."""
+        spec, rnd, restarts = self.spec, 0, 0
+        while True:
+            m = await self._store(self.rdzv.join, rnd)
+            self.world_size = m.world_size
+            self.group = WorkerGroup(spec, m, restarts, self.channel.path)
+            await self.group.start()
+            outcome = await self.group.supervise(self._stop, lambda: self._signal,
+                                                 self._remote_failure(rnd, m.nnodes), spec.monitor_interval)
+            if outcome.ok:
+                await self._store(self.rdzv.finish, rnd, m.nnodes, self.timeouts.reform)
+                self._log.info("agent.done", round=rnd)
+                return 0
+            self._log.error("agent.round_failed", round=rnd, reason=outcome.describe())
+            if outcome.failed is not None and m.nnodes > 1:
+                with contextlib.suppress(Exception):  # the store may be gone with its host
+                    await self._store(self.rdzv.report_failure, rnd, f"{self.node}: {outcome.describe()}")
+            await self.group.stop(outcome.signal or signal.SIGTERM)
+            if outcome.signal is not None or restarts >= spec.max_restarts:
+                return self._final(outcome)
+            restarts, rnd = restarts + 1, rnd + 1
+            self._log.warning("agent.restart", restarts=restarts, max_restarts=spec.max_restarts)
+
+    def _remote_failure(self, rnd: int, nnodes: int) -> Any:
+        """A coroutine function the supervisor calls each tick: another node's failure report."""
+        loop = asyncio.get_running_loop()
+        last = [loop.time()]
+
+        async def check() -> str | None:
+            if nnodes == 1 or loop.time() - last[0] < _FAILURE_POLL:
+                return None
+            last[0] = loop.time()
+            try:
+                return await self._store(self.rdzv.failure, rnd)
+            except Exception as exc:  # noqa: BLE001 - any store error means its host is gone
+                return f"rendezvous store unreachable ({exc})"
+        return check
+
+    def _final(self, outcome: Outcome) -> int:
+        if outcome.signal is not None:
+            return 128 + outcome.signal
+        line = f"launchpad: {outcome.describe()} on node {self.node}"
+        if outcome.failed is not None:
+            rank, code = outcome.failed
+            line += f" (run {self.spec.run_id}); other workers were stopped"
+            print(line, file=sys.stderr, flush=True)
+            return code if code > 0 else 128 - code
+        print(line + "; local workers were stopped", file=sys.stderr, flush=True)
+        return 1
+
+
+def run(spec: LaunchSpec, config: Config) -> int:
+    """Run one launchpad agent to completion and return its exit code."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(Agent(spec, config).main())
+    return uvloop.run(Agent(spec, config).main())

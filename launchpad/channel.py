@@ -1,0 +1,126 @@
+"""The agent side of the worker <-> launchpad local channel: an asyncio Unix socket server that
+knows each connected worker (rank, pid, last step, state) and lets commands send a message to a
+worker and await its matching reply. Framing and message types come from agent_channel; what a
+command means is decided in commands.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchpass_common import agent_channel as ac
+from torchpass_common import log
+from torchpass_common.errors import ProtocolError, WorkerError
+
+# States a worker reports through its messages, as heartbeats show them.
+_STATE_AFTER = {ac.HELLO: "running", ac.PAUSED: "paused", ac.PAUSE_MISSED: "running", ac.SAVED: "paused",
+                ac.JOINED: "joined", ac.REFORMED: "reformed", ac.RESUMED: "running", ac.ERROR: "error"}
+
+
+@dataclass
+class WorkerLink:
+    """One connected worker as the agent sees it."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    joining: bool
+    chan: ac.AsyncChannel
+    step: int = 0
+    state: str = "running"
+    replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    step_at: float = field(default_factory=time.monotonic)
+
+
+class ChannelServer:
+    """Listens at ``path``; ``links`` maps each worker's pid to its WorkerLink once it said hello."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.links: dict[int, WorkerLink] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._hello = asyncio.Condition()
+        self._log = log.get(socket=path)
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for link in list(self.links.values()):
+                await link.chan.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        chan = ac.AsyncChannel(reader, writer)
+        link: WorkerLink | None = None
+        try:
+            first = await chan.recv()
+            if first is None or first["t"] != ac.HELLO:
+                raise ProtocolError(f"worker's first channel message must be hello, got {first!r}")
+            link = WorkerLink(first["rank"], first["local_rank"], first["pid"], first["joining"], chan)
+            async with self._hello:
+                self.links[link.pid] = link
+                self._hello.notify_all()
+            self._log.info("channel.hello", rank=link.rank, pid=link.pid, joining=link.joining)
+            while (msg := await chan.recv()) is not None:
+                self._on_message(link, msg)
+        except (ProtocolError, ConnectionError) as exc:
+            self._log.warning("channel.dropped", rank=link.rank if link else None, error=str(exc))
+        finally:
+            if link is not None and self.links.get(link.pid) is link:
+                del self.links[link.pid]
+                link.state = "gone"
+            await chan.close()
+
+    def _on_message(self, link: WorkerLink, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == ac.STEP:
+            link.step, link.step_at = msg["step"], time.monotonic()
+            return
+        if "step" in msg:
+            link.step = msg["step"]
+        link.state = _STATE_AFTER.get(kind, link.state)
+        if kind == ac.ERROR:
+            self._log.error("channel.worker_error", rank=link.rank, pid=link.pid, error=msg["msg"])
+        link.replies.put_nowait(msg)
+
+    async def wait_for(self, pids: Iterable[int], timeout: float) -> None:
+        """Wait until every worker in ``pids`` has said hello."""
+        wanted = set(pids)
+        async with self._hello:
+            await asyncio.wait_for(self._hello.wait_for(lambda: wanted <= self.links.keys()), timeout)
+
+    async def request(self, link: WorkerLink, msg: dict[str, Any], accept: Callable[[dict[str, Any]], bool],
+                      timeout: float) -> dict[str, Any]:
+        """Send ``msg`` to one worker and return its first reply that ``accept`` takes; an error
+        reply, a vanished worker or the timeout raise WorkerError naming the rank."""
+        while not link.replies.empty():  # replies to an earlier, finished request
+            self._log.debug("channel.stale_reply", rank=link.rank, msg=link.replies.get_nowait())
+        await link.chan.send(msg)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                reply = await asyncio.wait_for(self._next_reply(link), max(0.0, remaining))
+            except TimeoutError:
+                raise WorkerError(f"worker did not answer {msg['t']} within {timeout:.0f} s", rank=link.rank,
+                                  pid=link.pid, hint="the worker may be hung; see its log") from None
+            if reply["t"] == ac.ERROR:
+                raise WorkerError(f"worker failed {msg['t']}: {reply['msg']}", rank=link.rank, pid=link.pid)
+            if accept(reply):
+                return reply
+            self._log.debug("channel.unexpected_reply", rank=link.rank, want=msg["t"], got=reply)
+
+    async def _next_reply(self, link: WorkerLink) -> dict[str, Any]:
+        while self.links.get(link.pid) is link:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(link.replies.get(), 0.2)
+        if not link.replies.empty():
+            return link.replies.get_nowait()
+        raise WorkerError("worker closed the local channel (exited?) before answering", rank=link.rank, pid=link.pid)

@@ -1,0 +1,158 @@
+"""What each orchestrator command does on this node: pause all workers after a step, have one
+save its state, re-form the communicator as a new generation, resume, start a joining worker,
+abort a migration, exit. Each handler returns the ack's result or raises a TorchPassError
+(the ack's error). Transport, idempotency and acks live in control.py."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from launchpad.channel import WorkerLink
+from torchpass_common import agent_channel as ac
+from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
+
+if TYPE_CHECKING:
+    from launchpad.agent import Agent
+
+Handler = Callable[[dict[str, Any], int, str], Awaitable[dict[str, Any]]]
+
+
+def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = args.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"command argument {name!r} must be an integer, got {value!r}")
+    return value
+
+
+class Commands:
+    """Handlers keyed by command name; ``gen`` is the command message's generation."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.joiners: dict[str, list[int]] = {}  # migration -> pids of joiners it started
+        self.handlers: dict[str, Handler] = {
+            "pause": self.pause, "save": self.save, "reform": self.reform, "resume": self.resume,
+            "start_joiner": self.start_joiner, "abort": self.abort, "exit": self.exit,
+        }
+
+    async def execute(self, cmd: str, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        handler = self.handlers.get(cmd)
+        if handler is None:
+            raise MigrationError(f"command {cmd!r} is not carried out by launchpad", node=self.agent.node,
+                                 hint="the joining worker receives state itself (TORCHPASS_JOIN_SOURCE)")
+        return await handler(args, gen, migration)
+
+    def _links(self, *, include_joiners: bool = True) -> list[WorkerLink]:
+        """Every live worker's channel link; WorkerError if one has not connected."""
+        group = self.agent.group
+        if group is None:
+            raise WorkerError("no workers are running on this node", node=self.agent.node)
+        links = self.agent.channel.links
+        result = []
+        for w in group.workers.values():
+            if w.returncode is not None:
+                continue
+            link = links.get(w.pid)
+            if link is None:
+                raise WorkerError("worker has not connected to the agent channel", rank=w.rank, pid=w.pid,
+                                  node=self.agent.node,
+                                  hint="it has not imported torchpass yet, or runs without the bootstrap")
+            if include_joiners or not link.joining:
+                result.append(link)
+        return result
+
+    async def _all(self, links: list[WorkerLink], make: Callable[[WorkerLink], dict[str, Any]],
+                   accept: Callable[[dict[str, Any]], bool], timeout: float) -> dict[int, dict[str, Any]]:
+        """Send to every link at once (collective operations need all ranks) and gather replies."""
+        channel = self.agent.channel
+        replies = await asyncio.gather(*(channel.request(link, make(link), accept, timeout) for link in links))
+        return {link.rank: reply for link, reply in zip(links, replies, strict=True)}
+
+    async def pause(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Park every (non-joining) worker after optimizer step ``at_step``."""
+        at_step, pgen = _int_arg(args, "at_step"), _int_arg(args, "gen", gen)
+        replies = await self._all(
+            self._links(include_joiners=False), lambda _: ac.message(ac.PAUSE, gen=pgen, at_step=at_step),
+            lambda r: r["t"] in (ac.PAUSED, ac.PAUSE_MISSED) and r["gen"] == pgen, self.agent.timeouts.reform)
+        steps = {str(rank): r["step"] for rank, r in replies.items()}
+        missed = sorted(rank for rank, r in replies.items() if r["t"] == ac.PAUSE_MISSED)
+        if missed:
+            raise MigrationError(f"ranks {missed} were already past step {at_step}", node=self.agent.node,
+                                 gen=pgen, hint=f"pick a later step; reported steps: {steps}")
+        return {"steps": steps}
+
+    async def save(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Have worker ``rank`` save its state to ``dest`` (a file path or a wormhole peer)."""
+        rank, dest = _int_arg(args, "rank"), args.get("dest")
+        if not isinstance(dest, dict):
+            raise ProtocolError("save needs a 'dest' map ({'path': ...} or {'host', 'port', 'token'})")
+        link = next((lk for lk in self._links() if lk.rank == rank), None)
+        if link is None:
+            raise WorkerError("no such rank on this node", rank=rank, node=self.agent.node)
+        reply = await self.agent.channel.request(link, ac.message(ac.SAVE, dest=dest),
+                                                 lambda r: r["t"] == ac.SAVED, self.agent.timeouts.reform)
+        return {"bytes": reply["bytes"], "seconds": reply["seconds"]}
+
+    async def reform(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Rebuild every worker's communicator as generation ``gen``; ``ranks`` maps old to new
+        ranks where they change; the store defaults to the rendezvous store with a fresh prefix."""
+        ngen = _int_arg(args, "gen", gen)
+        world = _int_arg(args, "world_size", self.agent.world_size)
+        ranks = {int(k): v for k, v in (args.get("ranks") or {}).items()}
+        host = args.get("store_host") or self.agent.rdzv.host
+        port = _int_arg(args, "store_port", self.agent.rdzv.port)
+        prefix = args.get("prefix") or f"/torchpass/{self.agent.spec.run_id}/gen{ngen}"
+        links = self._links()
+        await self._all(
+            links, lambda lk: ac.message(ac.REFORM, gen=ngen, rank=ranks.get(lk.rank, lk.rank), world_size=world,
+                                         store_host=host, store_port=port, prefix=prefix),
+            lambda r: r["t"] == ac.REFORMED and r["gen"] == ngen, self.agent.timeouts.reform)
+        for lk in links:
+            lk.rank = ranks.get(lk.rank, lk.rank)
+        self.agent.gen, self.agent.world_size = ngen, world
+        return {"ranks": sorted(lk.rank for lk in links)}
+
+    async def resume(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        rgen = _int_arg(args, "gen", gen)
+        replies = await self._all(self._links(), lambda _: ac.message(ac.RESUME, gen=rgen),
+                                  lambda r: r["t"] == ac.RESUMED and r["gen"] == rgen, self.agent.timeouts.reform)
+        return {"ranks": sorted(replies)}
+
+    async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Start a worker that joins as ``rank``; acked once it has connected to the channel."""
+        rank, world = _int_arg(args, "rank"), _int_arg(args, "world_size", self.agent.world_size)
+        source = args.get("source")
+        if not isinstance(source, dict):
+            raise ProtocolError("start_joiner needs a 'source' map ({'path': ...} or {'listen_host', 'port', 'token'})")
+        group = self.agent.group
+        if group is None:
+            raise WorkerError("no worker group to add a joiner to", node=self.agent.node)
+        w = await group.add_joiner(rank, world, source)
+        self.joiners.setdefault(migration, []).append(w.pid)
+        await self.agent.channel.wait_for([w.pid], self.agent.timeouts.reform)
+        return {"pid": w.pid}
+
+    async def abort(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Give up ``migration``: stop the joiners it started, resume paused workers in the
+        current generation."""
+        group = self.agent.group
+        stopped = []
+        for pid in self.joiners.pop(migration, []):
+            if group is not None and (w := group.workers.get(pid)) is not None:
+                await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
+                stopped.append(w.rank)
+        paused = [lk for lk in self.agent.channel.links.values() if lk.state == "paused" and not lk.joining]
+        if paused:
+            cur = self.agent.gen
+            await self._all(paused, lambda _: ac.message(ac.RESUME, gen=cur),
+                            lambda r: r["t"] == ac.RESUMED, self.agent.timeouts.reform)
+        return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused)}
+
+    async def exit(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Ask every worker to exit cleanly (its exit code decides launchpad's)."""
+        links = self._links()
+        await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in links))
+        return {"ranks": sorted(lk.rank for lk in links)}

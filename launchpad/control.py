@@ -1,0 +1,121 @@
+"""launchpad's control-plane presence: a retained online state with a Last Will (offline), a
+heartbeat every timeouts.heartbeat_interval with each worker's step and state, and the command
+loop: each command runs once per (migration, gen, cmd) and is acked, a redelivered one gets the
+same ack again. Malformed messages are dropped by mqtt.ControlClient; nothing here crashes the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from launchpad.commands import Commands
+from torchpass_common import log, mqtt, protocol
+from torchpass_common.errors import TorchPassError
+
+if TYPE_CHECKING:
+    from launchpad.agent import Agent
+
+
+class ControlPlane:
+    """Runs while the agent runs (``async with``); needs ``agent.spec.job`` and ``agent.node``."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.job, self.node = str(agent.spec.job), agent.node
+        self.commands = Commands(agent)
+        self._done: dict[tuple[str, int, str], asyncio.Future[dict[str, Any]]] = {}
+        self._order = asyncio.Lock()
+        self._seq = 0
+        self._log = log.get(job=self.job, node=self.node)
+        will = protocol.encode(protocol.STATE, job=self.job, gen=agent.gen, body={"node": self.node, "online": False})
+        self.client = mqtt.ControlClient(agent.config.broker, f"launchpad-{self.job}-{self.node}-{os.getpid()}",
+                                         will=(protocol.state_topic(self.job, self.node), will),
+                                         on_connect=self._announce)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> ControlPlane:
+        await self.client.__aenter__()
+        await self.client.subscribe(protocol.cmd_topic(self.job, self.node))
+        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._commands())]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        with contextlib.suppress(TorchPassError):  # a clean goodbye; the Last Will covers a failed one
+            await self._publish_state(online=False, timeout=1.0)
+        await self.client.__aexit__(None, None, None)
+
+    async def _announce(self, client: mqtt.ControlClient) -> None:
+        await self._publish_state(online=True, timeout=mqtt.PUBLISH_TIMEOUT)
+        self._log.info("control.online", connects=client.connects)
+
+    async def _publish_state(self, *, online: bool, timeout: float) -> None:
+        body = {"node": self.node, "online": online, "pid": os.getpid(), "host": socket.gethostname()}
+        payload = protocol.encode(protocol.STATE, job=self.job, gen=self.agent.gen, body=body)
+        await self.client.publish(protocol.state_topic(self.job, self.node), payload, retain=True, timeout=timeout)
+
+    def heartbeat_body(self) -> dict[str, Any]:
+        self._seq += 1
+        links = {lk.pid: lk for lk in self.agent.channel.links.values()}
+        workers = []
+        group = self.agent.group
+        for w in (group.workers.values() if group else ()):
+            lk = links.get(w.pid)
+            state = "exited" if w.returncode is not None else (lk.state if lk else "starting")
+            workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
+                            "pid": w.pid, "joining": bool(lk and lk.joining),
+                            **({"exit_code": w.returncode} if w.returncode is not None else {})})
+        return {"node": self.node, "seq": self._seq, "workers": workers}
+
+    async def _heartbeats(self) -> None:
+        interval = self.agent.timeouts.heartbeat_interval
+        topic = protocol.hb_topic(self.job, self.node)
+        while True:
+            if self.client.connected:
+                payload = protocol.encode(protocol.HEARTBEAT, job=self.job, gen=self.agent.gen,
+                                          body=self.heartbeat_body())
+                try:
+                    await self.client.publish(topic, payload, qos=0, timeout=interval)
+                except mqtt.BrokerUnavailableError as exc:
+                    self._log.debug("control.heartbeat_skipped", error=str(exc))
+            await asyncio.sleep(interval)
+
+    async def _commands(self) -> None:
+        async for _topic, msg in self.client.messages():
+            if msg.kind != protocol.COMMAND:
+                self._log.warning("control.unexpected_message", kind=msg.kind, id=msg.id)
+                continue
+            asyncio.create_task(self._handle(msg))
+
+    async def _handle(self, msg: protocol.Message) -> None:
+        """Run a command once; a repeat (same migration, gen, cmd) waits for and re-sends the same ack."""
+        cmd, migration, args = msg.body["cmd"], msg.body["migration"], msg.body["args"]
+        key = (migration, msg.gen, cmd)
+        first = key not in self._done
+        if first:
+            self._done[key] = asyncio.get_running_loop().create_future()
+            async with self._order:  # commands run in arrival order, one at a time
+                self._log.info("control.command", cmd=cmd, migration=migration, gen=msg.gen, id=msg.id)
+                try:
+                    result = {"ok": True, "error": None, "result": await self.commands.execute(cmd, args, msg.gen, migration)}
+                except TorchPassError as exc:
+                    result = {"ok": False, "error": str(exc), "result": {}}
+                    self._log.warning("control.command_failed", cmd=cmd, migration=migration, gen=msg.gen,
+                                      error=str(exc))
+                self._done[key].set_result(result)
+        else:
+            self._log.info("control.command_repeat", cmd=cmd, migration=migration, gen=msg.gen, id=msg.id)
+        outcome = await self._done[key]
+        body = {"command_id": msg.id, "cmd": cmd, "migration": migration, **outcome}
+        try:
+            await self.client.publish(protocol.ack_topic(self.job, self.node),
+                                      protocol.encode(protocol.ACK, job=self.job, gen=msg.gen, body=body))
+        except TorchPassError as exc:
+            self._log.warning("control.ack_failed", cmd=cmd, migration=migration, error=str(exc))

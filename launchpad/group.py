@@ -1,0 +1,109 @@
+"""The workers of this node for one rendezvous round: starting them, adding a joining worker,
+watching them until all succeeded or the first one failed (torchrun's rule: one failure stops
+the others), and stopping them with SIGTERM then SIGKILL after the grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from launchpad import workers
+from launchpad.output import OutputRouter
+from launchpad.rendezvous import Membership
+from launchpad.spec import LaunchSpec
+from torchpass_common import agent_channel, log
+from torchpass_common.errors import WorkerError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a round ended. ``failed`` names the first failed worker (rank, exit code);
+    ``remote`` is another node's failure report; ``signal`` a signal launchpad received."""
+
+    ok: bool
+    failed: tuple[int, int] | None = None
+    remote: str | None = None
+    signal: int | None = None
+
+    def describe(self) -> str:
+        if self.failed:
+            rank, code = self.failed
+            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            return f"worker rank {rank} {how}"
+        if self.remote:
+            return f"another node failed: {self.remote}"
+        if self.signal:
+            return f"launchpad received {signal.Signals(self.signal).name}"
+        return "all workers succeeded"
+
+
+class WorkerGroup:
+    """This node's workers in round ``m.round``; ``workers`` maps pid to Worker."""
+
+    def __init__(self, spec: LaunchSpec, m: Membership, restarts: int, socket_path: str) -> None:
+        self.spec, self.m, self.restarts, self.socket_path = spec, m, restarts, socket_path
+        self.router = OutputRouter(spec, attempt=restarts)
+        self.workers: dict[int, workers.Worker] = {}
+        self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
+        self._log = log.get(job=spec.job, node=spec.node, round=m.round)
+
+    async def start(self) -> None:
+        for local_rank in range(self.m.local_world_size):
+            env = workers.worker_env(self.spec, self.m, local_rank, self.restarts, self.socket_path)
+            await self._add(self.m.rank_offset + local_rank, local_rank, env)
+
+    async def add_joiner(self, rank: int, world_size: int, source: dict[str, Any]) -> workers.Worker:
+        """Start a worker that joins the running job as ``rank``, loading its state from ``source``."""
+        local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
+        m = Membership(**{**self.m.__dict__, "world_size": world_size, "rank_offset": rank - local_rank})
+        env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
+            agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source)})
+        return await self._add(rank, local_rank, env)
+
+    async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
+        try:
+            w = await workers.spawn(self.spec, self.router, rank, local_rank, env)
+        except OSError as exc:
+            raise WorkerError(f"cannot start worker: {exc}", rank=rank, node=self.spec.node,
+                              hint="check the entrypoint path and that it is executable") from exc
+        self.workers[w.pid] = w
+        asyncio.create_task(self._watch(w))
+        return w
+
+    async def _watch(self, w: workers.Worker) -> None:
+        await w.wait()
+        self._exited.put_nowait(w)
+
+    async def supervise(self, stop: asyncio.Event, stop_signal: Callable[[], int | None],
+                        remote_failure: Callable[[], Awaitable[str | None]], poll: float) -> Outcome:
+        """Run until every worker exited 0, one failed, another node failed, or ``stop`` is set."""
+        running = set(self.workers)
+        stop_task = asyncio.create_task(stop.wait())
+        try:
+            while running:
+                get = asyncio.create_task(self._exited.get())
+                done, _ = await asyncio.wait({get, stop_task}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    w = get.result()
+                    running.discard(w.pid)
+                    self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
+                    if w.returncode != 0:
+                        return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
+                else:
+                    get.cancel()
+                running |= {pid for pid, w in self.workers.items() if w.returncode is None}  # joiners
+                if stop_task in done:
+                    return Outcome(ok=False, signal=stop_signal())
+                if (remote := await remote_failure()) is not None:
+                    return Outcome(ok=False, remote=remote)
+            return Outcome(ok=True)
+        finally:
+            stop_task.cancel()
+
+    async def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every worker still running: ``sig`` first, SIGKILL after the grace period."""
+        await asyncio.gather(*(w.stop(sig, self.spec.grace_period) for w in self.workers.values()))

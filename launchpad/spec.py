@@ -1,0 +1,140 @@
+"""The launch specification: what one launchpad run was asked to do, built from torchrun-style
+options plus, under Slurm, the job's SLURM_* environment. Pure parsing and validation; starting
+processes, rendezvous and the control plane live elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torchpass_common.errors import ConfigError
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launchpad invocation. ``node_rank`` None means "assign through the rendezvous store";
+    ``redirects``/``tee`` map local rank to a 0-3 mask (1 stdout, 2 stderr) like torchrun's."""
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    nproc_per_node: int = 1
+    node_rank: int | None = None
+    rdzv_backend: str = "static"
+    rdzv_host: str = DEFAULT_MASTER_ADDR
+    rdzv_port: int = DEFAULT_MASTER_PORT
+    run_id: str = "none"
+    max_restarts: int = 0
+    module: bool = False
+    no_python: bool = False
+    log_dir: str | None = None
+    redirects: Mapping[int, int] = field(default_factory=dict)
+    tee: Mapping[int, int] = field(default_factory=dict)
+    role: str = "default"
+    monitor_interval: float = 0.1
+    join_timeout: float = 600.0
+    last_call: float = 2.0
+    grace_period: float = 15.0
+    job: str | None = None
+    node: str | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.nnodes_min != self.nnodes_max
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` as torchrun accepts them."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if not m:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text!r}")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def parse_nproc(text: str) -> int:
+    """An int, or ``cpu``/``auto`` (CPU count here: the machine has no accelerators torch sees)
+    or ``gpu`` (CUDA device count; an error without CUDA)."""
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text in ("cpu", "auto", "gpu"):
+        import torch  # deferred: the CLI's --help should not pay for importing torch
+
+        if text == "gpu" or (text == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise ConfigError("--nproc-per-node=gpu but CUDA is not available on this node",
+                                  hint="give a number, or cpu")
+            return torch.cuda.device_count()
+        return os.cpu_count() or 1
+    raise ConfigError(f"--nproc-per-node must be a positive integer, cpu, gpu or auto, got {text!r}")
+
+
+def parse_std_mask(text: str, nproc: int) -> dict[int, int]:
+    """torchrun's ``--redirects``/``--tee``: ``"3"`` for every local rank or ``"0:1,1:2"``."""
+    text = text.strip()
+    try:
+        if ":" not in text:
+            mask = int(text)
+            result = dict.fromkeys(range(nproc), mask)
+        else:
+            result = {}
+            for part in text.split(","):
+                rank, _, value = part.partition(":")
+                result[int(rank)] = int(value)
+    except ValueError as exc:
+        raise ConfigError(f"--redirects/--tee must be 0-3 or LOCAL_RANK:MASK,... got {text!r}") from exc
+    if any(not STD_NONE <= v <= STD_ALL for v in result.values()):
+        raise ConfigError(f"--redirects/--tee masks must be 0 (none) to 3 (both), got {text!r}")
+    return result
+
+
+def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) into host and port."""
+    m = re.fullmatch(r"\[(?P<v6>[^\]]+)\](?::(?P<p6>\d+))?|(?P<host>[^:]+)(?::(?P<port>\d+))?", text.strip())
+    if not m:
+        raise ConfigError(f"--rdzv-endpoint must be HOST[:PORT], got {text!r}")
+    host = m.group("v6") or m.group("host")
+    port = m.group("p6") or m.group("port")
+    return host, int(port) if port else default_port
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist (``n[3-5,7],m1`` -> ``n3``) without calling Slurm."""
+    m = re.match(r"([^,\[]+)(?:\[(\d+))?", nodelist.strip())
+    if not m:
+        raise ConfigError(f"cannot read the first host of SLURM_JOB_NODELIST={nodelist!r}",
+                          hint="pass --rdzv-endpoint or --master-addr")
+    return m.group(1) + (m.group(2) or "")
+
+
+@dataclass(frozen=True)
+class SlurmHints:
+    """What the job's SLURM_* environment says about this node's place, when one task runs per node."""
+
+    node_rank: int | None
+    nnodes: int | None
+    first_host: str | None
+    job_id: str | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SlurmHints:
+        nnodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+        ntasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+        one_per_node = nnodes is not None and ntasks == nnodes
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        return cls(
+            node_rank=int(env["SLURM_NODEID"]) if one_per_node and "SLURM_NODEID" in env else None,
+            nnodes=int(nnodes) if one_per_node else None,
+            first_host=first_slurm_host(nodelist) if nodelist else None,
+            job_id=env.get("SLURM_JOB_ID"),
+        )

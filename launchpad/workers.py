@@ -1,0 +1,105 @@
+"""Starting and stopping one worker process: its command line (through the torchpass bootstrap,
+like torchrun's ``python -u script args``), the environment torchrun gives workers, its own
+session so its whole process tree can be signalled, and its output piped to the OutputRouter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from launchpad.output import OutputRouter
+from launchpad.rendezvous import Membership
+from launchpad.spec import LaunchSpec
+from torchpass_common import agent_channel, log
+
+BOOTSTRAP = "torchpass._bootstrap"
+_LINE_LIMIT = 1 << 20
+
+
+def command(spec: LaunchSpec) -> list[str]:
+    """The worker's argv: the bootstrap runs the script (or -m module) with argv intact;
+    --no-python executes the entrypoint itself, so no TorchPass code runs in that worker."""
+    if spec.no_python:
+        return [spec.entrypoint, *spec.args]
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    return [python, "-u", "-m", BOOTSTRAP, *(["-m"] if spec.module else []), spec.entrypoint, *spec.args]
+
+
+def worker_env(spec: LaunchSpec, m: Membership, local_rank: int, restarts: int,
+               socket_path: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one worker: launchpad's own plus what torchrun sets (same names and
+    meanings; the store is the agent's, so TORCHELASTIC_USE_AGENT_STORE is True) plus TorchPass's."""
+    rank = m.rank_offset + local_rank
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(m.node_rank),
+        "ROLE_RANK": str(rank), "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(m.local_world_size),
+        "WORLD_SIZE": str(m.world_size), "GROUP_WORLD_SIZE": str(m.nnodes),
+        "ROLE_WORLD_SIZE": str(m.world_size), "MASTER_ADDR": m.store_host, "MASTER_PORT": str(m.store_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.run_id, "TORCHELASTIC_USE_AGENT_STORE": str(True),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        agent_channel.ENV_SOCKET: socket_path,
+    })
+    if "OMP_NUM_THREADS" not in os.environ and m.local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so N workers do not oversubscribe the cores
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Worker:
+    """One running worker process and the tasks copying its output."""
+
+    rank: int
+    local_rank: int
+    proc: asyncio.subprocess.Process
+    pumps: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def signal(self, sig: int) -> None:
+        """Signal the worker's whole process group (it leads its own session)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    async def wait(self) -> int:
+        code = await self.proc.wait()
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+        return code
+
+    async def stop(self, sig: int, grace: float) -> int:
+        """Send ``sig``; SIGKILL the process group if it has not exited after ``grace`` seconds."""
+        if self.proc.returncode is None:
+            self.signal(sig)
+            try:
+                return await asyncio.wait_for(self.wait(), grace)
+            except TimeoutError:
+                log.get(rank=self.rank).warning("worker.kill", pid=self.pid, after=grace)
+        self.signal(signal.SIGKILL)  # also reaps children left behind by an exited leader
+        return await self.wait()
+
+
+async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: int,
+                env: Mapping[str, str]) -> Worker:
+    """Start one worker; its stdout/stderr are routed per rank."""
+    proc = await asyncio.create_subprocess_exec(
+        *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_LINE_LIMIT)
+    assert proc.stdout is not None and proc.stderr is not None
+    worker = Worker(rank, local_rank, proc)
+    worker.pumps = [asyncio.create_task(router.pump(proc.stdout, rank, local_rank, "stdout")),
+                    asyncio.create_task(router.pump(proc.stderr, rank, local_rank, "stderr"))]
+    log.get(rank=rank).info("worker.started", local_rank=local_rank, pid=proc.pid)
+    return worker

@@ -1,0 +1,197 @@
+"""launchpad as a drop-in torchrun: the same DDP script (torch CPU, gloo) run under real torchrun
+and under launchpad with a torchrun-style command line gives bit-identical per-step losses and
+parameters, on one node, on two "nodes" on localhost (static and c10d rendezvous) and on the dev
+cluster. Also home of the training script and process helpers the other launchpad tests use."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+RUN_TIMEOUT = 120
+
+# A DDP script written the way torchrun users write them. Per step it draws its own batch from a
+# seed (so pausing cannot shift the data) and records the loss; at the end every rank writes its
+# losses and parameters. argv: OUT_DIR STEPS [SECONDS_PER_STEP]
+TRAIN_SCRIPT = '''
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+out, steps = sys.argv[1], int(sys.argv[2])
+pace = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+losses = []
+for step in range(steps):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    if pace:
+        time.sleep(pace)
+env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                       "ROLE_RANK", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"losses": losses, "params": [p.detach().flatten().tolist() for p in model.parameters()],
+               "env": env}, f)
+print(f"rank {rank} finished {steps} steps", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_script(directory: Path, text: str = TRAIN_SCRIPT, name: str = "train.py") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def launchpad_argv(*args: str) -> list[str]:
+    return [PYTHON, "-m", "launchpad", *args]
+
+
+class Procs:
+    """Processes a test started; whatever is still running at teardown is killed by PID."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kw)
+        self.started.append(proc)
+        return proc
+
+    def run(self, argv: list[str], env: dict[str, str] | None = None,
+            timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
+        proc = self.start(argv, env)
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    yield p
+    p.cleanup()
+
+
+def results(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+class TorchrunReference:
+    """Losses and parameters of TRAIN_SCRIPT under real torchrun (one node x ``world`` workers),
+    computed once per (world, steps) for the whole test session."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.script = write_script(directory)
+        self._cache: dict[tuple[int, int], list[dict]] = {}
+
+    def __call__(self, world: int, steps: int) -> list[dict]:
+        if (world, steps) not in self._cache:
+            out = self.dir / f"w{world}s{steps}"
+            out.mkdir()
+            res = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={world}", str(self.script), str(out),
+                                  str(steps)], capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+            assert res.returncode == 0, res.stderr[-3000:]
+            self._cache[world, steps] = results(out, world)
+        return self._cache[world, steps]
+
+
+@pytest.fixture(scope="session")
+def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> TorchrunReference:
+    return TorchrunReference(tmp_path_factory.mktemp("torchrun"))
+
+
+def assert_same_training(got: list[dict], want: list[dict]) -> None:
+    for rank, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["losses"] == w["losses"], f"rank {rank}: losses differ from torchrun's"
+        assert g["params"] == w["params"], f"rank {rank}: parameters differ from torchrun's"
+
+
+STEPS = 20
+
+
+@pytest.mark.slow
+def test_one_node_two_workers_match_torchrun(procs: Procs, tmp_path: Path,
+                                            torchrun_reference: TorchrunReference) -> None:
+    script = write_script(tmp_path)
+    want = torchrun_reference(2, STEPS)
+    out = tmp_path / "launchpad"
+    out.mkdir()
+    res = procs.run(launchpad_argv("--standalone", "--nproc_per_node", "2", str(script), str(out), str(STEPS)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = results(out, 2)
+    assert_same_training(got, want)
+    assert [g["env"]["LOCAL_RANK"] for g in got] == ["0", "1"]
+    assert all(g["env"]["WORLD_SIZE"] == "2" and g["env"]["OMP_NUM_THREADS"] == "1" for g in got)
+    assert "[1]:rank 1 finished" in res.stdout  # per-rank output, prefixed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_nodes_on_localhost_match_torchrun(procs: Procs, tmp_path: Path, rdzv: str,
+                                               torchrun_reference: TorchrunReference) -> None:
+    script = write_script(tmp_path)
+    want = torchrun_reference(4, STEPS)
+    out = tmp_path / "launchpad"
+    out.mkdir()
+    port = free_port()
+    if rdzv == "static":
+        common = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master_port={port}", "--nproc-per-node=2"]
+        argvs = [launchpad_argv(*common, f"--node-rank={n}", str(script), str(out), str(STEPS)) for n in (0, 1)]
+    else:
+        common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                  "--rdzv-id", "pair", "--nproc-per-node", "2"]
+        argvs = [launchpad_argv(*common, str(script), str(out), str(STEPS))] * 2
+    nodes = [procs.start(argv) for argv in argvs]
+    outputs = [n.communicate(timeout=RUN_TIMEOUT) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    got = results(out, 4)
+    assert_same_training(got, want)
+    assert sorted(g["env"]["GROUP_RANK"] for g in got) == ["0", "0", "1", "1"]
+
+
+@pytest.mark.slow
+def test_log_dir_keeps_each_ranks_output(procs: Procs, tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--rdzv-id=ignored", "--log-dir",
+                                   str(tmp_path / "logs"), "--redirects=1", str(script), str(out), "3"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    logs = sorted((tmp_path / "logs").glob("*/attempt_0/*/stdout.log"))
+    assert [p.read_text() for p in logs] == ["rank 0 finished 3 steps\n", "rank 1 finished 3 steps\n"]
+    assert "finished" not in res.stdout  # redirected: files only
