@@ -84,7 +84,8 @@ class ControlClient:
                         tb: TracebackType | None) -> None:
         if self._runner is not None:
             self._runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A graceful DISCONNECT to a hung broker times out; the session is over either way.
+            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
                 await self._runner
         self._connected.clear()
 

@@ -142,7 +142,10 @@ class Journal:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
             if fresh:
                 os.chmod(self.path, 0o600)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode != "wal":
+                raise JournalError(f"journal {self.path}: SQLite refused WAL mode (got {mode!r})",
+                                   hint="put orchestrator.state_dir on a local filesystem, not NFS")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
         except (OSError, sqlite3.Error) as exc:
