@@ -1,13 +1,12 @@
 """The one interface through which TorchPass reads slurmctld: ``SlurmClient``. Backends
 (commands, slurmrestd, pyslurm) implement its three reads; everything else (the watcher, the
-spare pool, the CLI) is written against it. ``AsyncSlurmClient`` runs it off the event loop."""
+spare pool, the CLI) is written against it. Calls block: asyncio code runs them in a thread
+(``Watcher.events()`` does; ``await asyncio.to_thread(...)`` for the rest)."""
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import time
-from typing import Any
 
 from slurm_plugin.model import Job, Node, Reservation, Snapshot
 
@@ -38,25 +37,3 @@ class SlurmClient(abc.ABC):
 
     def job(self, job_id: int) -> Job | None:
         return self.jobs().get(int(job_id))
-
-
-class AsyncSlurmClient:
-    """The same reads for asyncio code: each call runs in a worker thread, never on the loop."""
-
-    def __init__(self, client: SlurmClient) -> None:
-        self.sync = client
-
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
-
-    async def nodes(self) -> dict[str, Node]:
-        return await self._call(self.sync.nodes)
-
-    async def jobs(self) -> dict[int, Job]:
-        return await self._call(self.sync.jobs)
-
-    async def reservations(self) -> dict[str, Reservation]:
-        return await self._call(self.sync.reservations)
-
-    async def snapshot(self) -> Snapshot:
-        return await self._call(self.sync.snapshot)

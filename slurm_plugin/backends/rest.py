@@ -2,7 +2,7 @@
 ``http://host:port`` (JWT: a token minted with ``scontrol token`` and renewed before it expires,
 or $SLURM_JWT) or ``unix:/path/to/socket`` (slurmrestd's local auth: the socket's peer uid).
 The API version (v0.0.38 on 22.05 ... v0.0.42) is found by asking slurmrestd, newest first.
-Nodes and jobs are polled with ``update_time``: an unchanged cluster costs a 304 and no parsing."""
+Jobs are polled with ``update_time``: an unchanged job list costs a 304 and no parsing."""
 
 from __future__ import annotations
 
@@ -136,7 +136,9 @@ class RestClient(SlurmClient):
         return doc
 
     def nodes(self) -> dict[str, Node]:
-        return openapi.nodes(self._get("nodes", cached=True))
+        # Not cached: slurmrestd 22.05 answers /nodes?update_time=T with HTTP 500 "Unspecified
+        # error" whenever nodes changed but partitions did not (it loads both with T; measured).
+        return openapi.nodes(self._get("nodes"))
 
     def jobs(self) -> dict[int, Job]:
         return openapi.jobs(self._get("jobs", cached=True))
