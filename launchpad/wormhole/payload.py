@@ -182,8 +182,20 @@ class TensorSink(Sink):
             return self._buffer
         if self._buffer.data_ptr() != self._target.data_ptr():
             with torch.no_grad():
-                self._target.copy_(self._buffer)
+                _bit_copy(self._target, self._buffer)
         return self._target
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the exact bits (a value copy would turn a bool byte 0x05 into 0x01)."""
+    as_int = _SAME_SIZE_INT.get(src.element_size())
+    if as_int is None:  # complex128: 16-byte elements, copied by value (exact for same dtype)
+        dst.copy_(src)
+    else:
+        dst.view(as_int).copy_(src.view(as_int))
 
 
 class BufferSink(Sink):

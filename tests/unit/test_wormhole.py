@@ -40,13 +40,15 @@ def transfer(state, *, streams: int = 2, chunk_bytes: int = 1 << 16, progress=No
         return pending.result(timeout=30), stats
 
 
+@pytest.mark.parametrize("into", ["fresh", "staged", "in_place"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_every_dtype_arrives_bit_for_bit(dtype):
+def test_every_dtype_arrives_bit_for_bit(dtype, into):
     # Random bytes reinterpreted as the dtype: floats include NaNs with arbitrary payloads, bools
-    # include bytes other than 0/1; all must arrive as the same bits.
+    # include bytes other than 0/1; all must arrive as the same bits, with or without a template.
     state = {"big": random_tensor(dtype, (257, 129), 1), "scalar": random_tensor(dtype, (), 2),
              "empty": torch.empty(0, 5, dtype=dtype)}
-    got, stats = transfer(state)
+    template = None if into == "fresh" else {k: torch.zeros_like(v) for k, v in state.items()}
+    got, stats = transfer(state, template=template, in_place=into == "in_place")
     for key, sent in state.items():
         assert got[key].dtype == dtype and got[key].shape == sent.shape
         assert bits(got[key]) == bits(sent), key
