@@ -1,0 +1,108 @@
+"""A DDP training script written the way users write them for torchrun, made migratable by
+TorchPass with one call: ``torchpass.register(save=..., load=...)`` next to the checkpoint load.
+Seeds are set per step and the data position follows from the step, so any rank can continue
+from a saved state. Run: ``torchrun --nproc-per-node 2 ddp_train.py --steps 100`` (or launchpad).
+``--log FILE`` writes one JSON line per step (rank, step, loss as float.hex) and a final hash."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import torchpass
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+
+
+def make_dataset(n: int = 4096) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    ap.add_argument("--checkpoint", help="resume from this checkpoint file if given")
+    ap.add_argument("--log", help="append per-step JSON lines here")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.9)
+    dataset = make_dataset()
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    batches_per_epoch = len(sampler) // args.batch_size
+    progress = {"step": 0}
+
+    def save() -> dict:
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                "step": progress["step"]}
+
+    def load(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        progress["step"] = state["step"]  # the data position follows from the step
+
+    if args.checkpoint:
+        load(torch.load(args.checkpoint))
+    torchpass.register(save=save, load=load)
+
+    log = open(args.log, "a", buffering=1) if args.log else None
+    order: list[int] = []
+    while progress["step"] < args.steps:
+        step = progress["step"]
+        epoch, batch = divmod(step, batches_per_epoch)
+        if batch == 0 or not order:
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+        idx = order[batch * args.batch_size:(batch + 1) * args.batch_size]
+        x, y = dataset[idx]
+        torch.manual_seed(100003 * step + rank)  # dropout depends only on (step, rank)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        progress["step"] = step + 1
+        if log:
+            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
+    if log:
+        log.write(json.dumps({"rank": rank, "final": param_hash(model), "steps": progress["step"]}) + "\n")
+        log.close()
+    del ddp
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

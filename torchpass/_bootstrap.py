@@ -1,0 +1,31 @@
+"""How launchpad starts a worker: ``python -m torchpass._bootstrap [-m] TARGET [ARGS...]``.
+Activates TorchPass (default group, launchpad connection), then runs the user's script or module
+as ``__main__`` with argv intact, the way ``python script.py`` / ``python -m module`` would."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from torchpass import runtime
+
+
+def main(argv: list[str]) -> None:
+    module = bool(argv) and argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m torchpass._bootstrap [-m module | script.py] [args...]")
+    runtime.activate()
+    target = argv[0]
+    sys.argv = list(argv)
+    if module:  # sys.path[0] is already the working directory, as for python -m
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,234 @@
+"""The worker's end of launchpad's commands. A reader thread receives commands; the training
+thread carries them out at step boundaries: it reports each step, parks after the step launchpad
+chose (before the next forward), and while parked saves (hand-over), re-forms, resumes or exits. A joining rank
+parks inside register() after loading the donor's state. No collective is added to any step."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from torchpass import ddp_layout, default_group, handover, steps
+from torchpass_common import agent_channel as ac
+from torchpass_common import log
+from torchpass_common.errors import TorchPassError, WorkerError
+from torchpass_common.timeouts import Timeouts
+
+_GONE = {"t": "_agent_gone"}  # queued by the reader thread when launchpad closes the socket
+
+
+class Agent:
+    """One per worker process, created by the bootstrap when TORCHPASS_AGENT_SOCKET is set."""
+
+    def __init__(self, chan: ac.SyncChannel, *, rank: int, local_rank: int, joining: bool,
+                 timeouts: Timeouts | None = None) -> None:
+        self.chan = chan
+        self.rank = rank
+        self.local_rank = local_rank
+        self.joining = joining
+        self.timeouts = timeouts or Timeouts()
+        self.save_fn: Callable[[], Any] | None = None
+        self.load_fn: Callable[[Any], None] | None = None
+        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._wake = False  # set by the reader thread; the only thing a step boundary checks
+        self._pause: dict[str, Any] | None = None
+        self._gone = False
+        self._log = log.get(rank=rank)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.chan.send(ac.message(ac.HELLO, rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
+                                  joining=self.joining))
+        threading.Thread(target=self._read, name="torchpass-agent", daemon=True).start()
+        steps.on_boundary(self._on_boundary)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.chan.recv()
+            except (OSError, TorchPassError) as e:
+                self._log.error("agent.read_failed", error=str(e))
+                msg = None
+            self._commands.put(msg if msg is not None else _GONE)
+            self._wake = True
+            if msg is None:
+                return
+
+    # -- running ---------------------------------------------------------------------------
+    def _on_boundary(self, step: int) -> None:
+        if not self._gone:
+            self.chan.send({"t": ac.STEP, "step": step})
+        if self._wake:
+            self._serve_running(step)
+
+    def _serve_running(self, step: int) -> None:
+        self._wake = False  # before draining, so a command queued meanwhile wakes the next boundary
+        while True:
+            try:
+                msg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if msg["t"] == ac.PAUSE:
+                self._pause = msg
+            elif msg["t"] == ac.EXIT:
+                self._exit()
+            elif msg is _GONE:
+                self._agent_gone()
+            else:
+                self._error(f"{msg['t']} received while running; only pause and exit are valid then")
+        if self._pause is not None:
+            self._wake = True  # keep checking every boundary until the pause step
+            gen, at_step = self._pause["gen"], self._pause["at_step"]
+            if step > at_step:
+                self._pause = None
+                self.chan.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
+                self._log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
+            elif step == at_step:
+                self._pause = None
+                self._wake = not self._commands.empty()
+                ddps = ddp_layout.live()
+                if not ddps:
+                    self._park_paused(gen)
+                    return
+                # Park when the next iteration's forward starts, so the script's own bookkeeping
+                # after opt.step() (scheduler, step variable, logging) is part of step S everywhere.
+                handles: list[Any] = []
+
+                def before_forward(_module: Any, _inputs: Any) -> None:
+                    for h in handles:
+                        h.remove()
+                    self._park_paused(gen)
+
+                handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
+
+    def _park_paused(self, gen: int) -> None:
+        step = steps.current()
+        self.chan.send(ac.message(ac.PAUSED, gen=gen, step=step))
+        self._log.info("agent.paused", gen=gen, step=step)
+        self.park()
+
+    # -- parked ----------------------------------------------------------------------------
+    def park(self) -> None:
+        """Carry out commands until resume (returns), a pause for a later step (returns, to park
+        there) or exit. A failed command is reported as an error; the rank stays parked."""
+        deadline = time.monotonic() + self.timeouts.decision * 2
+        while True:
+            try:
+                msg = self._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise WorkerError(f"parked {self.timeouts.decision * 2:.0f} s without a resume",
+                                  hint="launchpad lost track of this rank", rank=self.rank,
+                                  step=steps.current()) from None
+            if msg is _GONE:
+                self._agent_gone()
+                raise WorkerError("launchpad went away while this rank was parked", rank=self.rank,
+                                  step=steps.current(), hint="the job cannot continue without its agent")
+            try:
+                if self._on_parked(msg):
+                    return
+            except Exception as e:  # user save() or a collective failed: report it, stay parked
+                self._error(f"{msg['t']} failed: {e}")
+
+    def _on_parked(self, msg: dict[str, Any]) -> bool:
+        kind, step = msg["t"], steps.current()
+        if kind == ac.SAVE:
+            self._save(msg["dest"])
+        elif kind == ac.REFORM:
+            self._reform(msg)
+        elif kind == ac.RESUME:
+            self.chan.send(ac.message(ac.RESUMED, gen=msg["gen"]))
+            self._log.info("agent.resumed", gen=msg["gen"], step=step)
+            self._wake = not self._commands.empty()
+            return True
+        elif kind == ac.EXIT:
+            self._exit()
+        elif kind == ac.PAUSE and msg["at_step"] > step:
+            self._pause, self._wake = msg, True  # go on training and park again there
+            return True
+        elif kind == ac.PAUSE:
+            reply = ac.PAUSED if msg["at_step"] == step else ac.PAUSE_MISSED
+            self.chan.send(ac.message(reply, gen=msg["gen"], step=step))
+        return False
+
+    def _save(self, dest: dict[str, Any]) -> None:
+        if self.save_fn is None:
+            raise WorkerError("asked to hand over state, but the script never called torchpass.register()",
+                              hint="call torchpass.register(save=..., load=...) before training",
+                              rank=self.rank)
+        t0 = time.perf_counter()
+        rec = handover.record(self.save_fn(), steps.current(), ddp_layout.capture())
+        size = handover.send(rec, dest, rank=self.rank)
+        seconds = time.perf_counter() - t0
+        self.chan.send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
+        self._log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
+
+    def _reform(self, msg: dict[str, Any]) -> None:
+        group = _require_group(self.rank)
+        gen = msg["gen"]
+        if gen != group.gen:  # a repeated reform of the current generation is only re-acknowledged
+            t0 = time.perf_counter()
+            store = dist.TCPStore(msg["store_host"], msg["store_port"], is_master=False,
+                                  timeout=timedelta(seconds=self.timeouts.reform), wait_for_workers=False)
+            group.reconfigure(gen, msg["rank"], msg["world_size"], store, msg["prefix"])
+            self._log.info("agent.reformed", gen=gen, seconds=round(time.perf_counter() - t0, 4))
+        self.chan.send(ac.message(ac.REFORMED, gen=gen))
+
+    def _exit(self) -> None:
+        """Leave the job: this rank's state has been handed over (or the job is ending). The
+        process ends at once: tearing down DDP and a communicator whose peers moved on can hang."""
+        self._log.info("agent.exit", step=steps.current())
+        self.chan.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def _agent_gone(self) -> None:
+        if not self._gone:
+            self._gone = True
+            self._log.warning("agent.gone", step=steps.current())
+
+    def _error(self, text: str) -> None:
+        self._log.error("agent.command_failed", error=text, step=steps.current())
+        if not self._gone:
+            self.chan.send(ac.message(ac.ERROR, msg=text))
+
+    # -- joining ---------------------------------------------------------------------------
+    def join(self) -> None:
+        """On a joining rank, inside register(): receive the donor's state, bring DDP to its bucket
+        layout, load it, report joined, and park until re-formed and resumed."""
+        group = _require_group(self.rank)
+        if self.save_fn is None or self.load_fn is None:
+            raise WorkerError("a joining rank needs both save and load in torchpass.register()",
+                              rank=self.rank)
+        source = json.loads(os.environ.get(ac.ENV_JOIN_SOURCE, "null") or "null")
+        if not isinstance(source, dict):
+            raise WorkerError(f"a joining rank needs {ac.ENV_JOIN_SOURCE} (JSON object)", rank=self.rank,
+                              hint="launchpad sets it when it starts a joiner")
+        t0 = time.perf_counter()
+        template = handover.record(self.save_fn(), 0, []) if "token" in source else None
+        rec = handover.receive(source, timeout=self.timeouts.decision, rank=self.rank, template=template)
+        meta = rec["torchpass"]
+        ddp_layout.replay(group, meta["ddp"])
+        self.load_fn(rec["user"])
+        steps.restore(meta["step"])
+        self.chan.send(ac.message(ac.JOINED, step=meta["step"]))
+        self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4))
+        self.park()
+
+
+def _require_group(rank: int) -> Any:
+    group = default_group.group()
+    if group is None:
+        raise WorkerError("no TorchPass process group: the script has not called init_process_group",
+                          hint="call torch.distributed.init_process_group before torchpass.register()",
+                          rank=rank)
+    return group

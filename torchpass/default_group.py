@@ -1,0 +1,86 @@
+"""Makes the user's own ``init_process_group("gloo" | "nccl", ...)`` build a TorchPassGroup around
+that backend: registers the "torchpass" c10d backend and wraps init_process_group. On a joining
+rank the rendezvous is skipped (a local HashStore) and the group starts local. Groups made later
+with new_group are plain groups of the real backend: only the default group is re-formed."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from torchpass.group import BACKEND_NAME, TorchPassGroup, build_inner
+from torchpass_common import log
+from torchpass_common.errors import WorkerError
+
+_joining = False
+_backend = "gloo"
+_group: TorchPassGroup | None = None
+
+
+def install(*, joining: bool) -> None:
+    """Register the backend and wrap init_process_group (idempotent)."""
+    global _joining
+    _joining = joining
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+    if not getattr(c10d.init_process_group, "_torchpass", False):
+        wrapped = _wrap(c10d.init_process_group)
+        c10d.init_process_group = wrapped
+        dist.init_process_group = wrapped
+
+
+def group() -> TorchPassGroup | None:
+    """The TorchPass default group, once the script has called init_process_group."""
+    return _group
+
+
+def _create(store: dist.Store, rank: int, world_size: int, timeout: Any) -> dist.ProcessGroup:
+    global _group
+    if _group is None:
+        _group = TorchPassGroup(_backend, store, rank, world_size, timeout, local=_joining)
+        return _group
+    log.get(rank=rank).warning("group.subgroup_not_reformed", backend=_backend,
+                               hint="groups from new_group keep their first communicator")
+    return build_inner(_backend, store, rank, world_size, timeout, f"torchpass_sub{id(store)}")
+
+
+def _default_backend() -> str:
+    return "cpu:gloo,cuda:nccl" if dist.is_nccl_available() and torch.cuda.is_available() else "gloo"
+
+
+def _wrap(original: Any) -> Any:
+    @functools.wraps(original)
+    def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: Any = None,
+                           world_size: int = -1, rank: int = -1, store: dist.Store | None = None,
+                           group_name: str = "", pg_options: Any = None, device_id: Any = None,
+                           **kwargs: Any) -> None:
+        global _backend
+        if backend == BACKEND_NAME:
+            return original(backend, init_method, timeout, world_size, rank, store, group_name,
+                            pg_options, device_id, **kwargs)
+        _backend = str(backend or _default_backend())
+        if pg_options is not None or device_id is not None:
+            log.get(rank=rank).warning("group.options_ignored", pg_options=pg_options is not None,
+                                       device_id=str(device_id))
+        if _joining:
+            # A joining rank builds its model alone; it meets the live group at the re-form.
+            rank = rank if rank >= 0 else _env_int("RANK")
+            world_size = world_size if world_size >= 0 else _env_int("WORLD_SIZE")
+            init_method, store = None, dist.HashStore()
+        return original(BACKEND_NAME, init_method, timeout, world_size, rank, store, group_name, **kwargs)
+
+    init_process_group._torchpass = True  # type: ignore[attr-defined]
+    return init_process_group
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError) as e:
+        raise WorkerError(f"a joining rank needs {name} in its environment or init_process_group",
+                          hint="launchpad sets it; pass rank= and world_size= explicitly otherwise") from e
