@@ -1,0 +1,122 @@
+"""The `devcluster` command line: argument parsing, progress lines, the human status table and
+`status --json`. Exit codes: 0 success, 1 failure (message on stderr), 2 usage error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from . import cluster, netns, procs
+from .errors import DevClusterError
+from .instance import DIR_ENV, ID_ENV, Instance
+
+USAGE_EPILOG = f"""instance: ${ID_ENV} (0-9, default 0); state in /tmp/tpdc<ID> (override ${DIR_ENV}).
+clients:  eval "$(contrib/devcluster/devcluster env)"   # exports SLURM_CONF"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="devcluster", epilog=USAGE_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="A real multi-node Slurm cluster (one network namespace per "
+                                            "node) plus a private MQTT broker, on this machine.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    up = sub.add_parser("up", help="bring the cluster up (idempotent)")
+    up.add_argument("--nodes", type=int, default=5, help="number of nodes (default 5)")
+    up.add_argument("--spares", type=int, default=1,
+                    help="how many of the last nodes the torchpass_spares reservation holds (default 1)")
+    sub.add_parser("down", help="stop everything this instance started and delete its network")
+    st = sub.add_parser("status", help="nodes, spare reservation, broker and daemons")
+    st.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    sub.add_parser("env", help="print shell exports for Slurm clients (eval it)")
+    sub.add_parser("reset", help="cancel all jobs, heal/restart/resume nodes, restore the spares")
+    ex = sub.add_parser("exec", help="run a command inside a node: exec NODE -- CMD...")
+    ex.add_argument("node")
+    ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD...")
+    for name, text in (("kill-node", "SIGKILL slurmd and every process inside the node"),
+                       ("start-node", "start the node's slurmd again and wait for its registration"),
+                       ("cut", "cut the node's network (its processes keep running)"),
+                       ("heal", "restore the node's network")):
+        sub.add_parser(name, help=text).add_argument("node")
+    return p
+
+
+def _sayer(inst_id: int) -> cluster.Say:
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[devcluster {inst_id} +{time.monotonic() - t0:5.2f}s] {msg}", flush=True)
+    return say
+
+
+def _print_status(info: dict[str, Any]) -> None:
+    print(f"dev cluster {info['id']}: {'UP' if info['up'] else 'DOWN'}   state {info['state_dir']}")
+    print(f"SLURM_CONF={info['slurm_conf']}")
+    broker = info["broker"]
+    print(f"broker     {broker['host']}:{broker['port']} (and {broker['local_host']}:{broker['port']})")
+    res = info["spare_reservation"]
+    print(f"spares     reservation {res['name']}: {', '.join(res['nodes']) or '(none)'}")
+    if info["nodes"]:
+        print(f"{'NODE':<6}{'ADDRESS':<14}{'STATE':<14}{'SPARE':<7}{'LINK':<6}SLURMD")
+        for n in info["nodes"]:
+            print(f"{n['name']:<6}{n['addr']:<14}{n['state']:<14}{'yes' if n['spare'] else '':<7}"
+                  f"{n['link']:<6}{n['slurmd_pid'] or '-'}")
+    daemons = ", ".join(f"{k}={v or 'DEAD'}" for k, v in info["daemons"].items() if not k.startswith("slurmd."))
+    print(f"daemons    {daemons or '(none)'}")
+
+
+def _exec(inst: Instance, node: str, argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise DevClusterError("exec needs a command: exec NODE -- CMD...")
+    cluster.require_up(inst)
+    wrapped = netns.on_node(inst, node, argv)
+    os.execve(wrapped[0], wrapped, procs.marked_env(inst))
+    return 127  # not reached
+
+
+def run(args: argparse.Namespace) -> int:
+    inst = Instance.from_env()
+    say = _sayer(inst.id)
+    if args.cmd == "up":
+        t0 = time.monotonic()
+        inst = cluster.up(inst, args.nodes, args.spares, say)
+        say(f"up in {time.monotonic() - t0:.1f} s. Use it with: eval \"$({sys.argv[0]} env)\"; "
+            f"stop it with: {sys.argv[0]} down")
+    elif args.cmd == "down":
+        cluster.down(inst, say)
+    elif args.cmd == "status":
+        info = cluster.status(inst)
+        if args.json:
+            print(json.dumps(info))
+        else:
+            _print_status(info)
+        return 0 if info["up"] else 1
+    elif args.cmd == "env":
+        print(f"export SLURM_CONF={inst.slurm_conf}\nexport {ID_ENV}={inst.id}")
+    elif args.cmd == "reset":
+        cluster.reset(inst, say)
+    elif args.cmd == "exec":
+        return _exec(inst, args.node, args.argv)
+    else:
+        action = {"kill-node": cluster.kill_node, "start-node": cluster.start_node,
+                  "cut": cluster.cut, "heal": cluster.heal}[args.cmd]
+        inst.node_index(args.node)
+        action(inst, args.node, say)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except DevClusterError as exc:
+        print(f"devcluster: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("devcluster: interrupted; run `devcluster down` to clean up", file=sys.stderr)
+        return 130

@@ -1,0 +1,242 @@
+"""The life cycle of one dev cluster instance: up (idempotent), down (leaves nothing behind),
+status, reset, and the fault tools (kill-node, start-node, cut, heal). It orders the work of
+conffiles, netns, daemons and slurmctl; it does not know how any single daemon is started."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import conffiles, daemons, hostinfo, netns, procs, slurmctl
+from .errors import DevClusterError
+from .instance import SPARE_RESERVATION, Instance
+
+Say = Callable[[str], None]
+SERVICES = ("munged", "mariadbd", "slurmdbd", "slurmctld", "mosquitto")
+MAX_NODES = 50
+NODES_TIMEOUT = 30.0
+READY_STATES = {"idle", "reserved"}
+
+
+def daemon_names(inst: Instance) -> list[str]:
+    return [*SERVICES, *(f"slurmd.{n}" for n in inst.node_names)]
+
+
+def healthy(inst: Instance) -> bool:
+    """Every daemon runs, every node's namespace exists with its link up, the controller answers."""
+    if not inst.nodes or not all(procs.daemon_pid(inst, d) for d in daemon_names(inst)):
+        return False
+    if sorted(netns.namespaces(inst)) != sorted(inst.netns(n) for n in inst.node_names):
+        return False
+    return all(netns.link_is_up(inst, n) for n in inst.node_names) and slurmctl.ping(inst)
+
+
+def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
+    """Bring the instance up with ``nodes`` nodes, the last ``spares`` reserved as spares.
+    A healthy instance of the same shape is left running (only its reservation is restored)."""
+    if not 1 <= nodes <= MAX_NODES:
+        raise DevClusterError(f"--nodes must be between 1 and {MAX_NODES}, got {nodes}")
+    if not 0 <= spares < nodes:
+        raise DevClusterError(f"--spares must be between 0 and {nodes - 1} (nodes - 1), got {spares}")
+    host = hostinfo.detect()
+    want = inst.with_shape(nodes, spares)
+    if (inst.nodes, inst.spares) == (nodes, spares) and healthy(inst):
+        slurmctl.ensure_reservation(want)
+        say(f"already up with {nodes} nodes ({spares} spare); nothing to do")
+        return want
+    if leftovers(inst):
+        say("tearing down the previous instance first")
+        down(inst, say)
+    say(f"Debian {host.debian}, Slurm {host.slurm_release}, plugins in {host.plugin_dir}")
+    shutil.rmtree(inst.state_dir, ignore_errors=True)
+    conffiles.write_all(want, host)
+    want.write_shape()
+    say(f"config written to {want.etc}")
+    netns.create(want)
+    say(f"network up: bridge {want.bridge} {want.bridge_addr}/24, nodes {', '.join(want.node_names)}")
+    daemons.start_munge(want)
+    say("munged ready")
+    daemons.start_mariadb(want)
+    say(f"MariaDB ready on 127.0.0.1:{want.port('mariadb')}")
+    daemons.start_slurmdbd(want)
+    say(f"slurmdbd ready on 127.0.0.1:{want.port('slurmdbd')}")
+    daemons.start_slurmctld(want)
+    say(f"slurmctld ready on {want.bridge_addr}:{want.port('slurmctld')}")
+    for node in want.node_names:
+        daemons.start_slurmd(want, node)
+    daemons.start_mosquitto(want)
+    say(f"mosquitto ready on {want.bridge_addr}:{want.port('mosquitto')} and 127.0.0.1")
+    wait_nodes(want, want.node_names, {"idle"}, NODES_TIMEOUT)
+    say(f"all {nodes} nodes idle")
+    slurmctl.ensure_reservation(want)
+    if spares:
+        say(f"reservation {SPARE_RESERVATION} holds {', '.join(want.spare_names)}")
+    return want
+
+
+def wait_nodes(inst: Instance, nodes: list[str], states: set[str], timeout: float) -> None:
+    """Poll sinfo until every node in ``nodes`` is in one of ``states``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = slurmctl.node_states(inst)
+        if all(current.get(n) in states for n in nodes):
+            return
+        dead = [n for n in nodes if not procs.daemon_pid(inst, f"slurmd.{n}")]
+        if dead:
+            log = inst.log_dir / f"slurmd.{dead[0]}.log"
+            raise DevClusterError("slurmd is not running", instance=inst.id, node=",".join(dead),
+                                  hint=f"its log {log} ends with:\n{procs.log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"nodes not {'/'.join(sorted(states))} after {timeout:.0f} s: {current}",
+                                  instance=inst.id, hint=f"see the logs in {inst.log_dir}")
+        time.sleep(0.1)
+
+
+def leftovers(inst: Instance) -> bool:
+    """Anything of this instance still exists: a daemon, a marked process, a namespace or a link."""
+    names = daemon_names(inst)
+    return bool(any(procs.daemon_pid(inst, d) for d in names) or procs.marked_pids(inst)
+                or netns.namespaces(inst) or netns.links(inst))
+
+
+def down(inst: Instance, say: Say) -> None:
+    """Stop every process of the instance (daemons, then anything marked or inside its nodes),
+    then delete its namespaces, veths and bridge. Logs stay in the state directory."""
+    pids = {d: procs.daemon_pid(inst, d) for d in daemon_names(inst)}
+    running = [p for p in pids.values() if p]
+    if running:
+        say(f"stopping {len(running)} daemons")
+        procs.stop(running, grace=3.0)
+    deadline = time.monotonic() + 10
+    while True:
+        rest = set(procs.marked_pids(inst))
+        for ns in netns.namespaces(inst):
+            rest.update(p for p in netns.namespace_pids(ns) if procs.alive(p))
+        if not rest:
+            break
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"processes {sorted(rest)} survived SIGKILL", instance=inst.id,
+                                  hint="are they stuck in the kernel (state D)? check ps")
+        procs.signal_pids(rest, signal.SIGKILL)
+        time.sleep(0.05)
+    netns.destroy(inst)
+    for name in pids:
+        inst.pidfile(name).unlink(missing_ok=True)
+    inst.shape_file.unlink(missing_ok=True)
+    say("down: no process, namespace or link of this instance is left")
+
+
+def status(inst: Instance) -> dict[str, Any]:
+    """One JSON-able picture of the instance (the documented keys of `status --json`)."""
+    daemons_now = {d: procs.daemon_pid(inst, d) for d in daemon_names(inst)} if inst.nodes else {}
+    ctld = bool(daemons_now.get("slurmctld")) and slurmctl.ping(inst)
+    states = slurmctl.node_states(inst) if ctld else {}
+    spares = set(inst.spare_names)
+    nodes = [{
+        "name": n, "addr": inst.node_addr(n), "state": states.get(n, "unknown"), "spare": n in spares,
+        "link": "up" if netns.link_is_up(inst, n) else "cut", "netns": inst.netns(n),
+        "slurmd_pid": daemons_now.get(f"slurmd.{n}"),
+    } for n in inst.node_names]
+    reserved = slurmctl.reservation_nodes(inst) if ctld else None
+    return {
+        "id": inst.id,
+        "up": bool(inst.nodes) and ctld and all(daemons_now.values()),
+        "state_dir": str(inst.state_dir),
+        "slurm_conf": str(inst.slurm_conf),
+        "broker": {"host": inst.bridge_addr, "port": inst.port("mosquitto"), "local_host": "127.0.0.1"},
+        "slurmctld": {"host": inst.bridge_addr, "port": inst.port("slurmctld")},
+        "nodes": nodes,
+        "spare_reservation": {"name": SPARE_RESERVATION, "nodes": reserved or []},
+        "daemons": daemons_now,
+        "jobs_dir": str(inst.jobs_dir),
+        "log_dir": str(inst.log_dir),
+    }
+
+
+def require_up(inst: Instance) -> None:
+    if not inst.nodes or not procs.daemon_pid(inst, "slurmctld"):
+        raise DevClusterError("the dev cluster is not up", instance=inst.id,
+                              hint="run `contrib/devcluster/devcluster up` first")
+
+
+def kill_node(inst: Instance, node: str, say: Say) -> None:
+    """SIGKILL every process inside the node (slurmd, slurmstepd, tasks), as a dying tray would."""
+    require_up(inst)
+    ns = inst.netns(node)
+    deadline = time.monotonic() + 10
+    killed: set[int] = set()
+    while pids := [p for p in netns.namespace_pids(ns) if procs.alive(p)]:
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"processes {pids} survived SIGKILL", instance=inst.id, node=node)
+        procs.signal_pids(pids, signal.SIGKILL)
+        killed.update(pids)
+        time.sleep(0.02)
+    say(f"{node}: killed {len(killed)} processes; the controller will notice (NOT_RESPONDING ~13 s)")
+
+
+def start_node(inst: Instance, node: str, say: Say, timeout: float = NODES_TIMEOUT) -> None:
+    """(Re)start the node's slurmd and wait until the controller has its registration."""
+    require_up(inst)
+    if procs.daemon_pid(inst, f"slurmd.{node}"):
+        say(f"{node}: slurmd already running")
+        return
+    if not netns.link_is_up(inst, node):
+        raise DevClusterError("cannot start a node whose network is cut", instance=inst.id, node=node,
+                              hint=f"run `devcluster heal {node}` first")
+    launched = int(time.time())
+    daemons.start_slurmd(inst, node)
+
+    def registered() -> bool:
+        rec = slurmctl.node_record(inst, node)
+        started = rec.get("SlurmdStartTime", "")
+        try:
+            started_at = time.mktime(time.strptime(started, "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
+            return False
+        return started_at >= launched and "NOT_RESPONDING" not in rec.get("State", "")
+
+    procs.wait_ready(inst, f"slurmd.{node}", registered, timeout, log=inst.log_dir / f"slurmd.{node}.log")
+    say(f"{node}: slurmd registered ({slurmctl.node_states(inst).get(node, '?')})")
+
+
+def cut(inst: Instance, node: str, say: Say) -> None:
+    require_up(inst)
+    netns.set_link(inst, node, up=False)
+    say(f"{node}: network cut (processes keep running)")
+
+
+def heal(inst: Instance, node: str, say: Say) -> None:
+    require_up(inst)
+    netns.set_link(inst, node, up=True)
+    say(f"{node}: network healed")
+
+
+def reset(inst: Instance, say: Say, timeout: float = NODES_TIMEOUT) -> None:
+    """Back to a clean, fully usable cluster without a restart: heal cut nodes, restart killed
+    slurmds, cancel every job, resume drained/down nodes, restore the spare reservation."""
+    require_up(inst)
+    for node in inst.node_names:
+        if not netns.link_is_up(inst, node):
+            heal(inst, node, say)
+    for node in inst.node_names:
+        if not procs.daemon_pid(inst, f"slurmd.{node}"):
+            start_node(inst, node, say)
+    slurmctl.cancel_all_jobs(inst)
+    deadline = time.monotonic() + timeout
+    while slurmctl.job_ids(inst):
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"jobs {slurmctl.job_ids(inst)} did not end after scancel",
+                                  instance=inst.id, hint=f"see {inst.log_dir}/slurmctld.log")
+        time.sleep(0.1)
+    # A slurmd killed while a step was being launched on it can leave one CPU counted as
+    # allocated after its job ended (seen on 22.05); a reconfigure recounts from the live jobs.
+    slurmctl.run(inst, "scontrol", "reconfigure")
+    for node, state in slurmctl.node_states(inst).items():
+        if any(word in state for word in ("drain", "down", "fail")):
+            slurmctl.resume(inst, node)
+    slurmctl.ensure_reservation(inst)
+    wait_nodes(inst, inst.node_names, READY_STATES, timeout)
+    say("reset: no jobs, all nodes up and idle, spare reservation restored")

@@ -1,0 +1,140 @@
+"""Naming of one dev cluster instance: its id, state directory, subnet, ports, namespaces and
+links, and its recorded shape (node and spare counts). Pure data: nothing here starts, stops or
+touches anything but the shape file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DevClusterError
+
+ID_ENV = "TORCHPASS_DEVCLUSTER_ID"
+DIR_ENV = "TORCHPASS_DEVCLUSTER_DIR"
+MARK_ENV = "TORCHPASS_DEVCLUSTER"  # every process we start carries MARK_ENV=<id>
+SPARE_RESERVATION = "torchpass_spares"
+REPO = Path(__file__).resolve().parents[3]
+
+# Port offsets from 20000 + 100 * id (the team's interface contract).
+PORT_OFFSETS = {"mariadb": 6, "slurmctld": 17, "slurmd": 18, "slurmdbd": 19, "slurmrestd": 20,
+                "mosquitto": 83}
+
+
+@dataclass(frozen=True)
+class Instance:
+    """Everything named after the instance id; ``nodes`` and ``spares`` come from the shape file."""
+
+    id: int
+    state_dir: Path
+    nodes: int = 0
+    spares: int = 0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Instance:
+        """The instance selected by $TORCHPASS_DEVCLUSTER_ID (default 0) and its recorded shape."""
+        env = os.environ if environ is None else environ
+        raw = env.get(ID_ENV, "0")
+        if not raw.isdigit() or not 0 <= int(raw) <= 9:
+            raise DevClusterError(f"{ID_ENV} must be a digit 0-9, got {raw!r}",
+                                  hint=f"export {ID_ENV}=N with N in 0..9")
+        ident = int(raw)
+        state_dir = Path(env.get(DIR_ENV) or f"/tmp/tpdc{ident}")
+        inst = cls(ident, state_dir)
+        shape = inst.read_shape()
+        return inst.with_shape(*shape) if shape else inst
+
+    def with_shape(self, nodes: int, spares: int) -> Instance:
+        return Instance(self.id, self.state_dir, nodes, spares)
+
+    # ---- shape file ------------------------------------------------------------------------
+    @property
+    def shape_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    def read_shape(self) -> tuple[int, int] | None:
+        try:
+            data = json.loads(self.shape_file.read_text())
+            return int(data["nodes"]), int(data["spares"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def write_shape(self) -> None:
+        self.shape_file.write_text(json.dumps({"nodes": self.nodes, "spares": self.spares}) + "\n")
+
+    # ---- directories -----------------------------------------------------------------------
+    def sub(self, name: str) -> Path:
+        return self.state_dir / name
+
+    @property
+    def etc(self) -> Path:
+        return self.sub("etc")
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.sub("log")
+
+    @property
+    def run_dir(self) -> Path:
+        return self.sub("run")
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.sub("jobs")
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.sub("munge") / "run" / "munge.socket.2"
+
+    def pidfile(self, daemon: str) -> Path:
+        return self.run_dir / f"{daemon}.pid"
+
+    # ---- network ---------------------------------------------------------------------------
+    @property
+    def subnet(self) -> str:
+        return f"10.77.{self.id}"
+
+    @property
+    def bridge(self) -> str:
+        return f"tpbr{self.id}"
+
+    @property
+    def bridge_addr(self) -> str:
+        return f"{self.subnet}.1"
+
+    def port(self, service: str) -> int:
+        return 20000 + 100 * self.id + PORT_OFFSETS[service]
+
+    # ---- nodes -----------------------------------------------------------------------------
+    @property
+    def node_names(self) -> list[str]:
+        return [f"n{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def spare_names(self) -> list[str]:
+        return self.node_names[self.nodes - self.spares:] if self.spares else []
+
+    def node_index(self, node: str) -> int:
+        if node not in self.node_names:
+            raise DevClusterError(f"no node {node!r} in this dev cluster", instance=self.id,
+                                  hint=f"nodes are {', '.join(self.node_names) or 'none (is it up?)'}")
+        return int(node[1:])
+
+    def node_addr(self, node: str) -> str:
+        return f"{self.subnet}.{10 + self.node_index(node)}"
+
+    def netns(self, node: str) -> str:
+        return f"tpdc{self.id}-{node}"
+
+    def veth(self, node: str) -> str:
+        """Host side of the node's veth pair (the node side is eth0 inside its netns)."""
+        return f"tpv{self.id}{node}"
+
+    @property
+    def marker(self) -> str:
+        return f"{MARK_ENV}={self.id}"

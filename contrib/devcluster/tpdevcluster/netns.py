@@ -1,0 +1,93 @@
+"""The nodes' network: one bridge per instance (host side 10.77.<id>.1), one network namespace
+per node joined to it by a veth pair, cutting and healing a node's link, and the command prefix
+that runs a program "on" a node (its netns, its own hostname, its own /etc/hosts)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from .errors import DevClusterError
+from .hostinfo import tool
+from .instance import Instance
+
+
+def ip(*args: str, check: bool = True) -> str:
+    res = subprocess.run([tool("ip"), *args], capture_output=True, text=True, timeout=20)
+    if check and res.returncode != 0:
+        raise DevClusterError(f"`ip {' '.join(args)}` failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def create(inst: Instance) -> None:
+    """Bridge, namespaces and veth pairs for every node of ``inst``."""
+    # nf_call_* 0: a host firewall (Docker's FORWARD DROP, say) must not filter node-to-node traffic.
+    ip("link", "add", inst.bridge, "type", "bridge",
+       "nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0")
+    ip("addr", "add", f"{inst.bridge_addr}/24", "dev", inst.bridge)
+    ip("link", "set", inst.bridge, "up")
+    for node in inst.node_names:
+        ns, veth = inst.netns(node), inst.veth(node)
+        ip("netns", "add", ns)
+        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        ip("link", "set", veth, "master", inst.bridge, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", ns, "addr", "add", f"{inst.node_addr(node)}/24", "dev", "eth0")
+        ip("-n", ns, "link", "set", "eth0", "up")
+        ip("-n", ns, "route", "add", "default", "via", inst.bridge_addr)
+
+
+def namespaces(inst: Instance) -> list[str]:
+    """This instance's network namespaces that exist now."""
+    prefix = f"tpdc{inst.id}-"
+    return [line.split()[0] for line in ip("netns", "list", check=False).splitlines()
+            if line.startswith(prefix)]
+
+
+def links(inst: Instance) -> list[str]:
+    """This instance's bridge and host-side veths that exist now."""
+    names = []
+    for line in ip("-o", "link", "show", check=False).splitlines():
+        name = line.split(":", 2)[1].strip().split("@")[0]
+        if name == inst.bridge or name.startswith(f"tpv{inst.id}n"):
+            names.append(name)
+    return names
+
+
+def namespace_pids(ns: str) -> list[int]:
+    return [int(p) for p in ip("netns", "pids", ns, check=False).split()]
+
+
+def destroy(inst: Instance) -> None:
+    """Delete namespaces, veths and the bridge (processes inside must be gone already)."""
+    for ns in namespaces(inst):
+        ip("netns", "del", ns, check=False)
+    for link in links(inst):
+        ip("link", "del", link, check=False)
+
+
+def set_link(inst: Instance, node: str, up: bool) -> None:
+    """Cut (down) or heal (up) the node's only link; its processes keep running."""
+    ip("link", "set", inst.veth(node), "up" if up else "down")
+
+
+def link_is_up(inst: Instance, node: str) -> bool:
+    """False while the node is cut (its host-side veth is administratively down)."""
+    try:
+        return bool(int(Path(f"/sys/class/net/{inst.veth(node)}/flags").read_text(), 16) & 0x1)
+    except OSError:
+        return False
+
+
+def on_node(inst: Instance, node: str, argv: list[str]) -> list[str]:
+    """argv wrapped to run inside ``node``: its netns, a UTS namespace with hostname = node, and a
+    private mount namespace with the node's /etc/hosts and resolv.conf. Not `ip netns exec`: it
+    remounts /sys, hides /sys/fs/cgroup, and slurmd 22.05 then refuses to start."""
+    inst.node_index(node)
+    setup = (f"echo {node} > /proc/sys/kernel/hostname"
+             f" && mount --bind {inst.etc}/hosts /etc/hosts"
+             f" && mount --bind {inst.etc}/resolv.conf /etc/resolv.conf"
+             ' && exec "$@"')
+    return [tool("nsenter"), f"--net=/run/netns/{inst.netns(node)}",
+            tool("unshare"), "--uts", "--mount", "--propagation", "private",
+            "/bin/sh", "-c", setup, node, *argv]

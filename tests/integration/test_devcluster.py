@@ -1,0 +1,160 @@
+"""The dev cluster behaves like the multi-node Slurm cluster the rest of TorchPass is tested on:
+jobs spread over distinct hosts, drains are visible, spares are reserved, nodes can be killed,
+restarted, cut and healed, `up` is idempotent, and `down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.devcluster import ID_ENV, DevCluster
+
+pytestmark = pytest.mark.slurm
+
+CONNECT = ("import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close();"
+           " print('connected')")
+
+
+def can_connect(cluster: DevCluster, node: str, host: str, port: int) -> bool:
+    return cluster.exec(node, [sys.executable, "-c", CONNECT, host, str(port)], check=False).returncode == 0
+
+
+def marked_processes(instance_id: int) -> list[int]:
+    """Live processes carrying the instance's marker (zombies waiting for init do not count)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if f"TORCHPASS_DEVCLUSTER={instance_id}".encode() in environ and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    info = devcluster.info
+    assert info["up"] is True and info["id"] == devcluster.id
+    assert Path(info["slurm_conf"]).is_file() and Path(info["state_dir"]).is_dir()
+    assert info["broker"] == {"host": f"10.77.{devcluster.id}.1", "port": 20083 + 100 * devcluster.id,
+                              "local_host": "127.0.0.1"}
+    assert [n["name"] for n in info["nodes"]] == ["n1", "n2", "n3", "n4", "n5"]
+    assert [n["spare"] for n in info["nodes"]] == [False] * 4 + [True]
+    assert all(n["addr"] == f"10.77.{devcluster.id}.{10 + i}" for i, n in enumerate(info["nodes"], 1))
+    assert [n["state"] for n in info["nodes"][:4]] == ["idle"] * 4
+    assert info["nodes"][4]["state"] in ("idle", "reserved")
+    assert info["spare_reservation"] == {"name": "torchpass_spares", "nodes": ["n5"]}
+    for daemon in ("munged", "mariadbd", "slurmdbd", "slurmctld", "mosquitto", "slurmd.n1", "slurmd.n5"):
+        assert Path(f"/proc/{info['daemons'][daemon]}").exists(), daemon
+
+
+def test_sbatch_on_three_nodes_runs_one_task_per_distinct_host(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    job = devcluster.sbatch("#!/bin/bash\nsrun bash -c 'echo task $(hostname) $(hostname -I)'\n", "-N", "3")
+    devcluster.wait_job_state(job, "COMPLETED", timeout=60)
+    tasks = sorted(line.split()[1:] for line in devcluster.job_output(job).splitlines()
+                   if line.startswith("task "))
+    assert len(tasks) == 3
+    assert len({host for host, _ in tasks}) == 3
+    for host, addr in tasks:
+        assert host in {"n1", "n2", "n3", "n4"}  # never the spare: it is reserved
+        assert addr == f"10.77.{devcluster.id}.{10 + int(host[1:])}"
+
+
+def test_spare_takes_only_jobs_that_ask_for_the_reservation(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    normal = devcluster.sbatch("#!/bin/bash\nhostname\n", "-N", "4")
+    spare = devcluster.sbatch("#!/bin/bash\nhostname\n", "-N", "1", "--reservation=torchpass_spares")
+    devcluster.wait_job_state(normal, "COMPLETED", timeout=60)
+    devcluster.wait_job_state(spare, "COMPLETED", timeout=60)
+    assert devcluster.job_record(normal)["NodeList"] == "n[1-4]"
+    assert devcluster.job_output(spare).split() == ["n5"]
+
+
+def test_a_drained_node_is_seen_draining_while_its_job_runs(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    job = devcluster.sbatch("#!/bin/bash\nsrun sleep 120\n", "-N", "1", "-w", "n2")
+    devcluster.wait_job_state(job, "RUNNING")
+    devcluster.drain("n2", "torchpass test drain")
+    assert devcluster.node_state("n2") == "draining"
+    assert devcluster.job_record(job)["JobState"] == "RUNNING"
+    devcluster.run("scancel", job)
+    devcluster.wait_node_state("n2", "drained")
+    devcluster.resume("n2")
+    devcluster.wait_node_state("n2", "idle")
+
+
+def test_exec_runs_inside_the_named_node(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    out = devcluster.exec("n3", ["sh", "-c", "hostname; hostname -I; getent hosts n1 ctl"]).stdout.split()
+    assert out[:2] == ["n3", f"10.77.{devcluster.id}.13"]
+    assert out[2:4] == [f"10.77.{devcluster.id}.11", "n1"]
+    assert out[4:6] == [f"10.77.{devcluster.id}.1", "ctl"]
+    assert devcluster.exec("n3", ["false"], check=False).returncode == 1
+    broker = devcluster.info["broker"]
+    assert can_connect(devcluster, "n3", broker["host"], broker["port"])
+
+
+def test_kill_node_kills_everything_inside_and_start_node_brings_it_back(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    job = devcluster.sbatch("#!/bin/bash\nsrun --no-kill sleep 300\n", "-N", "2", "-w", "n2,n3", "--no-kill")
+    devcluster.wait_job_state(job, "RUNNING")
+    netns = f"tpdc{devcluster.id}-n3"
+    assert subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+    devcluster.kill_node("n3")
+    assert subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split() == []
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n3")["slurmd_pid"] is None
+    devcluster.start_node("n3")
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n3")["slurmd_pid"]
+    devcluster.run("scancel", job)
+    devcluster.wait_job_state(job, "CANCELLED")
+    assert devcluster.run("srun", "-N1", "-w", "n3", "hostname", timeout=30).stdout.split() == ["n3"]
+
+
+def test_cut_isolates_a_node_whose_processes_keep_running_and_heal_restores_it(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    broker = devcluster.info["broker"]
+    slurmd = next(n for n in devcluster.info["nodes"] if n["name"] == "n4")["slurmd_pid"]
+    devcluster.cut("n4")
+    try:
+        node = next(n for n in devcluster.info["nodes"] if n["name"] == "n4")
+        assert node["link"] == "cut" and node["slurmd_pid"] == slurmd
+        assert not can_connect(devcluster, "n4", broker["host"], broker["port"])
+    finally:
+        devcluster.heal("n4")
+    assert can_connect(devcluster, "n4", broker["host"], broker["port"])
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n4")["link"] == "up"
+
+
+def test_up_again_is_a_no_op_that_keeps_every_daemon(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    before = devcluster.info["daemons"]
+    devcluster.up()
+    after = devcluster.info
+    assert after["up"] and after["daemons"] == before
+
+
+def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(devcluster: DevCluster) -> None:
+    second = DevCluster((devcluster.id + 5) % 10, nodes=3, spares=1)
+    assert int(os.environ.get(ID_ENV, "0")) != second.id
+    second.up()
+    try:
+        info = second.info
+        assert info["up"] and [n["name"] for n in info["nodes"]] == ["n1", "n2", "n3"]
+        assert info["broker"]["host"] == f"10.77.{second.id}.1"
+        hosts = second.run("srun", "-N2", "hostname").stdout.split()
+        assert sorted(hosts) == ["n1", "n2"]
+    finally:
+        second.down()
+    assert marked_processes(second.id) == []
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(f"tpdc{second.id}-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f"tpbr{second.id}" not in links and f"tpv{second.id}n" not in links
+    assert devcluster.info["up"]  # the first instance did not notice
