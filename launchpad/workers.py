@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -19,6 +20,13 @@ from torchpass_common import agent_channel, log
 
 BOOTSTRAP = "torchpass._bootstrap"
 _LINE_LIMIT = 1 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent() -> None:
+    """In the child before exec: SIGKILL this worker if launchpad dies, so no worker outlives
+    its agent (a SIGKILLed launchpad cannot forward anything)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def command(spec: LaunchSpec) -> list[str]:
@@ -96,7 +104,7 @@ async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: i
     """Start one worker; its stdout/stderr are routed per rank."""
     proc = await asyncio.create_subprocess_exec(
         *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_LINE_LIMIT)
+        stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_agent, limit=_LINE_LIMIT)
     assert proc.stdout is not None and proc.stderr is not None
     worker = Worker(rank, local_rank, proc)
     worker.pumps = [asyncio.create_task(router.pump(proc.stdout, rank, local_rank, "stdout")),
