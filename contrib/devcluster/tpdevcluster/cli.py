@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from . import cluster, netns, procs
 from .errors import DevClusterError
 from .instance import DIR_ENV, ID_ENV, Instance
 
+MUTATING = {"up", "down", "reset", "kill-node", "start-node", "cut", "heal"}
 USAGE_EPILOG = f"""instance: ${ID_ENV} (0-9, default 0); state in /tmp/tpdc<ID> (override ${DIR_ENV}).
 clients:  eval "$(contrib/devcluster/devcluster env)"   # exports SLURM_CONF"""
 
@@ -79,17 +83,27 @@ def _exec(inst: Instance, node: str, argv: list[str]) -> int:
     return 127  # not reached
 
 
+@contextlib.contextmanager
+def _exclusive(inst: Instance, say: cluster.Say) -> Iterator[Instance]:
+    """Serialise commands that change the instance (two `up`s at once would fight); yields the
+    instance as recorded once the lock is held."""
+    lock = inst.state_dir.with_name(inst.state_dir.name + ".lock")
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another devcluster command on this instance ({lock})")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield Instance.from_env()
+
+
 def run(args: argparse.Namespace) -> int:
     inst = Instance.from_env()
     say = _sayer(inst.id)
-    if args.cmd == "up":
-        t0 = time.monotonic()
-        inst = cluster.up(inst, args.nodes, args.spares, say)
-        say(f"up in {time.monotonic() - t0:.1f} s. Use it with: eval \"$({sys.argv[0]} env)\"; "
-            f"stop it with: {sys.argv[0]} down")
-    elif args.cmd == "down":
-        cluster.down(inst, say)
-    elif args.cmd == "status":
+    if args.cmd in MUTATING:
+        with _exclusive(inst, say) as locked:
+            return _mutate(args, locked, say)
+    if args.cmd == "status":
         info = cluster.status(inst)
         if args.json:
             print(json.dumps(info))
@@ -98,10 +112,21 @@ def run(args: argparse.Namespace) -> int:
         return 0 if info["up"] else 1
     elif args.cmd == "env":
         print(f"export SLURM_CONF={inst.slurm_conf}\nexport {ID_ENV}={inst.id}")
-    elif args.cmd == "reset":
-        cluster.reset(inst, say)
     elif args.cmd == "exec":
         return _exec(inst, args.node, args.argv)
+    return 0
+
+
+def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
+    if args.cmd == "up":
+        t0 = time.monotonic()
+        cluster.up(inst, args.nodes, args.spares, say)
+        say(f"up in {time.monotonic() - t0:.1f} s. Use it with: eval \"$({sys.argv[0]} env)\"; "
+            f"stop it with: {sys.argv[0]} down")
+    elif args.cmd == "down":
+        cluster.down(inst, say)
+    elif args.cmd == "reset":
+        cluster.reset(inst, say)
     else:
         action = {"kill-node": cluster.kill_node, "start-node": cluster.start_node,
                   "cut": cluster.cut, "heal": cluster.heal}[args.cmd]

@@ -231,9 +231,11 @@ def reset(inst: Instance, say: Say, timeout: float = NODES_TIMEOUT) -> None:
             raise DevClusterError(f"jobs {slurmctl.job_ids(inst)} did not end after scancel",
                                   instance=inst.id, hint=f"see {inst.log_dir}/slurmctld.log")
         time.sleep(0.1)
-    # A slurmd killed while a step was being launched on it can leave one CPU counted as
-    # allocated after its job ended (seen on 22.05); a reconfigure recounts from the live jobs.
-    slurmctl.run(inst, "scontrol", "reconfigure")
+    if any(slurmctl.allocated_cpus(inst).values()):
+        # A slurmd killed while a step was being launched on it can leave a CPU counted as
+        # allocated after its job ended (seen on 22.05); a reconfigure recounts from the live jobs.
+        say("stale CPU allocations without jobs: scontrol reconfigure")
+        slurmctl.run(inst, "scontrol", "reconfigure")
     for node, state in slurmctl.node_states(inst).items():
         if any(word in state for word in ("drain", "down", "fail")):
             slurmctl.resume(inst, node)

@@ -36,6 +36,13 @@ def node_states(inst: Instance) -> dict[str, str]:
     return dict(line.split(None, 1) for line in out.splitlines() if " " in line)
 
 
+def allocated_cpus(inst: Instance) -> dict[str, int]:
+    """CPUs the controller counts as allocated, per node (sinfo's %C is A/I/O/T)."""
+    out = run(inst, "sinfo", "-h", "-N", "-o", "%N %C", check=False, timeout=10)
+    return {name: int(cpus.split("/")[0]) for name, cpus in
+            (line.split(None, 1) for line in out.splitlines() if " " in line)}
+
+
 def node_record(inst: Instance, node: str) -> dict[str, str]:
     """`scontrol -o show node` as a dict (values with spaces, e.g. Reason, are cut at the space)."""
     out = run(inst, "scontrol", "-o", "show", "node", node, timeout=10)
