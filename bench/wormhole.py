@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from launchpad.wormhole import StateReceiver, send_state
+from launchpad.wormhole.wire import checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "contrib" / "devcluster" / "devcluster"
@@ -87,6 +88,14 @@ def _raw_send(host: str, port: int, buf: memoryview, streams: int) -> float:
     return time.perf_counter() - t0
 
 
+def _checksum_rate(buf: memoryview, chunk: int) -> float:
+    """GB/s of the per-chunk checksum on one core: its cost is paid once on each side."""
+    t0 = time.perf_counter()
+    for lo in range(0, len(buf), chunk):
+        checksum(buf[lo:lo + chunk])
+    return round(len(buf) / (time.perf_counter() - t0) / 1e9, 3)
+
+
 def _role_receiver(args: argparse.Namespace) -> None:
     """Child process: for each command line on stdin, listen, print the port, receive, report."""
     token = bytes.fromhex(sys.stdin.readline().strip())
@@ -117,7 +126,7 @@ def _role_sender(args: argparse.Namespace) -> None:
     state = model_state(args.bytes)
     raw = memoryview(bytearray(sum(t.numel() * 4 for t in state["model"].values())))
     raw[::4096] = b"\1" * len(raw[::4096])
-    print(json.dumps({"bytes": len(raw)}), flush=True)
+    print(json.dumps({"bytes": len(raw), "checksum_gbps": _checksum_rate(raw, args.chunk)}), flush=True)
     for line in sys.stdin:
         kind, streams, port = line.split()[0], int(line.split()[1]), int(line.split()[2])
         if kind == "raw":
@@ -189,18 +198,20 @@ def main(argv: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"endpoints": "devcluster n1->n2" if args.devcluster else "loopback",
                               "chunk_mib": args.chunk_mib}
     try:
-        total = tx.read()["bytes"]
-        result["bytes"] = total
+        hello = tx.read()
+        total = result["bytes"] = hello["bytes"]
+        result["checksum_gbps"] = hello["checksum_gbps"]
         for streams in [int(s) for s in args.streams.split(",")]:
-            for kind in kinds:
-                times = []
-                for _ in range(args.reps):
+            times: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for _ in range(args.reps):  # interleaved, so load from other processes hits all kinds alike
+                for kind in kinds:
                     rx.send(f"{kind} {streams}")
                     port = rx.read()["port"]
                     tx.send(f"{kind} {streams} {port}")
-                    times.append(tx.read()["seconds"])
+                    times[kind].append(tx.read()["seconds"])
                     rx.read()
-                result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times) / 1e9, 3)
+            for kind in kinds:
+                result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times[kind]) / 1e9, 3)
             result[f"ratio_s{streams}"] = round(result[f"inplace_s{streams}_gbps"] / result[f"raw_s{streams}_gbps"], 3)
     finally:
         tx.close()

@@ -31,8 +31,7 @@ def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], met
     try:
         for c in chunks:
             with sources[c.item].view[c.offset:c.offset + c.length] as view:
-                stream.send(CHUNK.pack(c.item, c.offset, c.length, checksum(view)))
-                stream.send(view)
+                stream.send(CHUNK.pack(c.item, c.offset, c.length, checksum(view)), view)
             meter.add(c.length)
         ok, message = recv_status(stream)
     except WormholeError as exc:

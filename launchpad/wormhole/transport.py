@@ -19,8 +19,8 @@ class Stream(ABC):
     peer: str
 
     @abstractmethod
-    def send(self, data: bytes | memoryview) -> None:
-        """Send all of ``data`` or raise."""
+    def send(self, *parts: bytes | memoryview) -> None:
+        """Send all of ``parts``, in order, as one gathered write where the link allows, or raise."""
 
     @abstractmethod
     def recv_into(self, view: memoryview) -> None:
@@ -83,9 +83,15 @@ class TcpStream(Stream):
     def set_timeout(self, seconds: float) -> None:
         self._sock.settimeout(seconds)
 
-    def send(self, data: bytes | memoryview) -> None:
+    def send(self, *parts: bytes | memoryview) -> None:
+        views = [memoryview(p) for p in parts]
         try:
-            self._sock.sendall(data)
+            while views:  # sendmsg gathers header + payload into one segment stream, no tiny packets
+                sent = self._sock.sendmsg(views)
+                while views and sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                if sent:
+                    views[0] = views[0][sent:]
         except TimeoutError as exc:
             raise WormholeError("sending timed out", peer=self.peer,
                                 hint="the peer stopped reading; check it is alive") from exc
