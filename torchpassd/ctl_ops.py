@@ -1,0 +1,136 @@
+"""``torchpassctl status | migrate | history | drill``: the commands that go through torchpassd
+(its control socket), as opposed to ctl_slurm's read-only Slurm views. Tables for people,
+``--json`` for tools (one document on stdout); exit 1 when the daemon refuses or is unreachable."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from torchpass_common import config
+from torchpass_common.errors import TorchPassError
+from torchpassd import drill as drillmod
+from torchpassd.ctl_client import DaemonClient
+
+
+def _config(ctx: click.Context) -> config.Config:
+    try:
+        return config.load(ctx.obj.get("config_path") if ctx.obj else None)
+    except TorchPassError as exc:
+        click.echo(f"torchpassctl: {exc}", err=True)
+        sys.exit(1)
+
+
+def _call(ctx: click.Context, op: str, **args: Any) -> Any:
+    cfg = _config(ctx)
+    try:
+        return DaemonClient(cfg.orchestrator.control_socket).call(op, **args)
+    except TorchPassError as exc:
+        click.echo(f"torchpassctl: {exc}", err=True)
+        sys.exit(1)
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")(fn)
+
+
+@click.command("status")
+@_json_option
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """torchpassd's state: backend, broker, tracked jobs with their launchpads, waiting migrations."""
+    st = _call(ctx, "status")
+    if as_json:
+        click.echo(json.dumps(st))
+        return
+    d = st["daemon"]
+    click.echo(f"torchpassd pid {d['pid']}, up {d['uptime_s']}s, Slurm backend {d['slurm_backend']}, "
+               f"broker {'connected' if d['broker_connected'] else 'DISCONNECTED'}")
+    for job in st["jobs"]:
+        click.echo(f"job {job['job']} ({job['user']}, {job['mode']}) on {','.join(job['nodes'])}"
+                   + (f"  BLOCKED: {job['blocked']}" if job["blocked"] else ""))
+        for node, lp in job["launchpads"].items():
+            ranks = ", ".join(f"rank {w['rank']} step {w['step']} {w['state']}" for w in lp["workers"])
+            click.echo(f"  {node:<10} {'online' if lp['online'] else 'offline':<8} gen {lp['gen']:<3} "
+                       f"hb {lp['heartbeat_age']}s  {ranks}")
+    for p in st["pending"]:
+        click.echo(f"wanted: move job {p['job']} off {p['node']} ({p['reason']}) since {_when(p['since'])}")
+    if st["in_flight"]:
+        click.echo(f"in flight: {', '.join(st['in_flight'])}")
+
+
+@click.command("migrate")
+@click.option("--job", required=True, help="Slurm job id.")
+@click.option("--node", required=True, help="Node whose ranks should move to a spare.")
+@_json_option
+@click.pass_context
+def migrate(ctx: click.Context, job: str, node: str, as_json: bool) -> None:
+    """Move a node's ranks to a spare now (planned migration, e.g. off a straggler)."""
+    res = _call(ctx, "migrate", job=job, node=node)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        click.echo(f"migration of job {job} off {node} queued" + (f"; blocked: {res['blocked']}" if res["blocked"] else ""))
+
+
+@click.command("history")
+@click.option("--job", default=None, help="Only this job's migrations.")
+@click.option("--limit", default=20, show_default=True, help="Most recent N migrations.")
+@_json_option
+@click.pass_context
+def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> None:
+    """Past and running migrations with their phase timings."""
+    recs = _call(ctx, "history", **({"job": job} if job else {}), limit=limit)
+    if as_json:
+        click.echo(json.dumps({"migrations": recs}))
+        return
+    if not recs:
+        click.echo("(no migrations)")
+    for m in recs:
+        took = f"{m['ended'] - m['started']:.2f}s" if m["ended"] else "running"
+        click.echo(f"{_when(m['started'])} job {m['job_id']} {m['source']} -> {m['target'] or '?'} {m['mode']} "
+                   f"{m['status']} ({took}) {m['id'][:8]}" + (f": {m['error']}" if m["error"] else ""))
+        for p in m["phases"]:
+            click.echo(f"    {p['phase']:<13} {p['status']:<11} +{p['seconds']:.3f}s")
+
+
+@click.command("drill")
+@click.option("--mode", type=click.Choice(drillmod.MODES), default="planned-aware", show_default=True)
+@click.option("--steps", default=drillmod.DrillSettings.steps, show_default=True, help="Training steps.")
+@click.option("--nodes", default=drillmod.DrillSettings.nodes, show_default=True, help="Nodes (one worker each).")
+@click.option("--step-sleep", default=drillmod.DrillSettings.step_sleep, show_default=True,
+              help="Extra seconds per step (simulated compute), so the job outlasts the migration.")
+@click.option("--timeout", default=drillmod.DrillSettings.timeout, show_default=True, help="Seconds per wait.")
+@_json_option
+@click.pass_context
+def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: float, timeout: float,
+          as_json: bool) -> None:
+    """Validate the installation: run the example job, drain one of its nodes, check the job went
+    on from the next step with nothing lost, bit-identical to a run without a failure."""
+    cfg = _config(ctx)
+    settings = drillmod.DrillSettings(nodes=nodes, steps=steps, step_sleep=step_sleep, timeout=timeout)
+    try:
+        rep = drillmod.run(cfg, mode, settings, say=(lambda _: None) if as_json else click.echo)
+    except TorchPassError as exc:
+        click.echo(f"torchpassctl: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(rep))
+    else:
+        keys = ("ok", "job_id", "migrated_from", "migrated_to", "detect_s", "pause_s", "resumed_at_step",
+                "expected_step", "lost_steps", "bit_identical", "error")
+        for k in keys:
+            click.echo(f"{k:>16}: {rep[k]}")
+    sys.exit(0 if rep["ok"] else 1)
+
+
+COMMANDS = (status, migrate, history, drill)

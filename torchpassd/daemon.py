@@ -1,0 +1,304 @@
+"""torchpassd's process: one asyncio (uvloop) loop running the Slurm watcher, the MQTT pump
+(launchpad states, heartbeats, acks), the control socket, the metrics endpoint, sd_notify and
+the Orchestrator, which turns drains and operator requests into planned migrations (one at a
+time per job), waits for a spare when none is free, and on start finishes or rolls back what a
+previous torchpassd left in flight. The migration steps themselves live in planned.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from slurm_plugin import events as ev
+from slurm_plugin.connect import open_client, runner_for
+from slurm_plugin.resize import JobResizer
+from slurm_plugin.spares import SparePool, spares_of
+from slurm_plugin.watcher import Watcher
+from torchpass_common import log, mqtt, protocol
+from torchpass_common.config import Config
+from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd import journal as jn
+from torchpassd import planned, sdnotify
+from torchpassd.commander import Commander
+from torchpassd.control_socket import ControlServer
+from torchpassd.metrics import Metrics, MetricsServer
+from torchpassd.registry import JobView, Registry
+
+RETRY_AFTER_S = 5.0  # a rolled-back or blocked migration is retried no sooner than this
+
+
+class Orchestrator:
+    """Decides which migrations run: drains seen by the watcher and ``migrate`` requests become
+    pending (job, node) pairs; each job runs at most one migration at a time."""
+
+    def __init__(self, deps: planned.Deps, watcher: Watcher) -> None:
+        self.d = deps
+        self.watcher = watcher
+        self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # -> (wall time seen, reason)
+        self.retry_at: dict[tuple[str, str], float] = {}
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.log = log.get()
+
+    # ---- inputs ------------------------------------------------------------------------------
+    async def on_slurm(self, e: ev.SlurmEvent) -> None:
+        if isinstance(e, ev.JobStarted | ev.JobResized):
+            view = await self.d.registry.update_job(str(e.job), nodes=tuple(e.nodes),
+                                                    **({"user": e.user, "mode": e.mode, "batch_host": e.batch_host}
+                                                       if isinstance(e, ev.JobStarted) else {}))
+            await self._save_job(view)
+        elif isinstance(e, ev.JobEnded):
+            job = str(e.job)
+            self.d.registry.forget(job)
+            for key in [k for k in self.pending if k[0] == job]:
+                self.pending.pop(key)
+            with contextlib.suppress(jn.JournalError):
+                await asyncio.to_thread(self.d.journal.end_job, job, e.state or "ENDED")
+        elif isinstance(e, ev.NodeDraining | ev.NodeDrained | ev.NodeFailed) and e.jobs:
+            for job in e.jobs:
+                if e.node in self.d.registry.job(str(job)).nodes:  # not one it already left
+                    self.request(str(job), e.node, f"node {e.node} {type(e).__name__[4:].lower()}: {e.reason}")
+        elif isinstance(e, ev.NodeReturned):
+            for key in [k for k in self.pending if k[1] == e.node and k[0] not in self.active]:
+                self.pending.pop(key)
+                self.d.registry.job(key[0]).blocked = ""
+        self.d.metrics.jobs_tracked.set(len(self.watcher.jobs))
+        if self.watcher.last is not None:
+            free = [s for s in spares_of(self.watcher.last, self.d.pool.reservation) if s.available]
+            self.d.metrics.spares_free.set(len(free))
+        self.kick()
+
+    def request(self, job: str, node: str, reason: str) -> None:
+        """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""
+        if (job, node) not in self.pending:
+            self.pending[(job, node)] = (time.time(), reason)
+            self.log.info("migration.wanted", job=job, node=node, reason=reason)
+        self.kick()
+
+    async def _save_job(self, view: JobView) -> None:
+        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(view.job_id)
+        await asyncio.to_thread(self.d.journal.upsert_job, view.job_id, user=view.user, mode=view.mode,
+                                state="RUNNING", gen=rec.gen if rec else 1, nodes=list(view.nodes),
+                                detail={"batch_host": view.batch_host})
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Start a migration for every pending pair whose job is idle and whose retry time came."""
+        now = time.time()
+        for (job, node), (seen, reason) in list(self.pending.items()):
+            if job in self.active or self.retry_at.get((job, node), 0) > now:
+                continue
+            why = self._blocked(job, node)
+            view = self.d.registry.job(job)
+            if why:
+                if view.blocked != why:
+                    self.log.warning("migration.blocked", job=job, node=node, why=why)
+                    asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.blocked",
+                                                          job_id=job, detail={"node": node, "why": why}))
+                view.blocked = why
+                continue
+            view.blocked = ""
+            self._spawn(job, self._migrate(job, node, seen, reason))
+
+    def _blocked(self, job: str, node: str) -> str:
+        view = self.d.registry.jobs.get(job)
+        if view is None or not view.user:
+            return "job not (yet) seen in Slurm"
+        if node == view.batch_host:
+            return f"{node} is the batch host of job {job}; Slurm cannot release it (keep ranks off it)"
+        lp = view.launchpads.get(node)
+        if lp is None or not lp.online or not lp.workers:
+            return f"waiting for the launchpad on {node} to report its ranks"
+        if self.watcher.last is None:
+            return "waiting for the first Slurm poll"
+        spares = self.d.pool.list(self.watcher.last)
+        if not any(s.available for s in spares):
+            detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
+            return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears"
+        return ""
+
+    def _spawn(self, job: str, coro: Any) -> None:
+        task = asyncio.create_task(coro, name=f"migration-{job}")
+        self.active[job] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self.active.pop(job, None)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.error("migration.crashed", job=job, error=repr(t.exception()))
+            asyncio.get_running_loop().call_later(0.1, self.kick)
+        task.add_done_callback(done)
+
+    async def _migrate(self, job: str, node: str, seen: float, reason: str) -> None:
+        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
+        gen = rec.gen if rec else 1
+        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=planned.MODE, source=node,
+                                      reason=reason, gen=gen)
+        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": node, "reason": reason})
+        mig = planned.PlannedMigration(self.d, planned.Plan(job=job, source=node, gen=gen), mid, detected_at=seen)
+        await self._conclude(mig, await mig.run())
+
+    async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
+        p = mig.plan
+        if status == jn.SUCCEEDED:
+            self.pending.pop((p.job, p.source), None)
+            view = self.d.registry.job(p.job)
+            await asyncio.to_thread(self.d.journal.upsert_job, p.job, user=view.user, mode=view.mode,
+                                    state="RUNNING", gen=p.new_gen,
+                                    nodes=[n for n in (*view.nodes, p.target) if n != p.source],
+                                    detail={"batch_host": view.batch_host})
+        else:
+            self.retry_at[(p.job, p.source)] = time.time() + RETRY_AFTER_S
+            asyncio.get_running_loop().call_later(RETRY_AFTER_S + 0.1, self.kick)
+
+    async def recover(self) -> None:
+        """Finish or roll back the migrations a previous torchpassd left in flight."""
+        for rec in await asyncio.to_thread(self.d.journal.in_flight):
+            self.log.warning("migration.recovering", job=rec.job_id, migration=rec.id, phase=rec.phase)
+            await self._wait_launchpads(rec)
+            self._spawn(rec.job_id, self._recover_one(rec))
+
+    async def _wait_launchpads(self, rec: jn.MigrationRecord) -> None:
+        plan = planned.Plan.from_record(rec)
+        nodes = [n for n in (*plan.survivors, plan.source) if n]
+        view = self.d.registry.job(rec.job_id)
+        with contextlib.suppress(MigrationError):  # a launchpad that never reports is handled by the commands
+            await self.d.registry.wait_for(lambda: True if all(view.launchpads.get(n) for n in nodes) else None,
+                                           self.d.cfg.timeouts.heartbeat_dead_after, "launchpads to report")
+
+    async def _recover_one(self, rec: jn.MigrationRecord) -> None:
+        mig = planned.PlannedMigration(self.d, planned.Plan.from_record(rec), rec.id, detected_at=rec.started)
+        await self._conclude(mig, await planned.resume_after_restart(mig, rec.phase))
+
+    # ---- control socket ----------------------------------------------------------------------
+    def handlers(self, started: float, backend: str, client: mqtt.ControlClient) -> dict[str, Any]:
+        async def status(args: dict[str, Any]) -> dict[str, Any]:
+            return {"daemon": {"pid": os.getpid(), "uptime_s": round(time.time() - started, 1),
+                               "slurm_backend": backend, "broker_connected": client.connected},
+                    "jobs": await jobs(args), "pending": [
+                        {"job": j, "node": n, "reason": r, "since": s} for (j, n), (s, r) in self.pending.items()],
+                    "in_flight": [m.id for m in await asyncio.to_thread(self.d.journal.in_flight)]}
+
+        async def jobs(args: dict[str, Any]) -> list[dict[str, Any]]:
+            return [v.describe() for k, v in sorted(self.d.registry.jobs.items()) if v.user]
+
+        async def migrate(args: dict[str, Any]) -> dict[str, Any]:
+            job, node = str(args.get("job", "")), str(args.get("node", ""))
+            view = self.d.registry.jobs.get(job)
+            if view is None or not view.user:
+                raise MigrationError(f"job {job} is not a running TorchPass job", job=job,
+                                     hint="torchpassctl jobs lists them")
+            if node not in view.nodes:
+                raise MigrationError(f"node {node} is not part of job {job} ({', '.join(view.nodes)})", job=job)
+            self.request(job, node, f"operator request (torchpassctl migrate) for {node}")
+            return {"job": job, "node": node, "queued": True, "blocked": self.d.registry.job(job).blocked}
+
+        async def history(args: dict[str, Any]) -> list[dict[str, Any]]:
+            job = args.get("job")
+            recs = await asyncio.to_thread(self.d.journal.history, job_id=str(job) if job else None,
+                                           limit=int(args.get("limit", 50)))
+            return [asdict(r) for r in recs]
+
+        return {"status": status, "jobs": jobs, "migrate": migrate, "history": history}
+
+
+async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics) -> None:
+    async for topic, msg in client.messages():
+        node = protocol.parse_topic(topic).node
+        if node is None:
+            continue
+        if msg.kind == protocol.ACK:
+            commander.on_ack(msg, node)
+        elif msg.kind in (protocol.STATE, protocol.HEARTBEAT):
+            await registry.on_message(node, msg)
+            if msg.kind == protocol.HEARTBEAT:
+                metrics.heartbeat_seen(msg.job, node)
+
+
+async def _watch(watcher: Watcher, orch: Orchestrator) -> None:
+    async for e in watcher.events():
+        try:
+            await orch.on_slurm(e)
+        except TorchPassError as exc:
+            log.get().error("orchestrator.event_failed", event=type(e).__name__, error=str(exc))
+
+
+async def _tick(orch: Orchestrator, every: float) -> None:
+    """Re-examine blocked migrations (a launchpad reported, a retry time came) now and then."""
+    while True:
+        await asyncio.sleep(every)
+        orch.kick()
+
+
+async def serve(cfg: Config) -> int:
+    """Run torchpassd until SIGTERM/SIGINT; returns the exit code."""
+    logger = log.get()
+    cfg.timeouts.validate()
+    state_dir = Path(cfg.orchestrator.state_dir)
+    journal = jn.Journal(state_dir / "journal.sqlite")
+    slurm = await asyncio.to_thread(open_client, cfg.slurm)
+    resizer = JobResizer(runner_for(cfg.slurm), slurm, spare_reservation=cfg.slurm.spare_reservation)
+    watcher = Watcher(slurm, interval=cfg.slurm.poll_interval, spare_reservation=cfg.slurm.spare_reservation)
+    metrics, registry = Metrics(), Registry()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.time()
+    async with mqtt.ControlClient(cfg.broker, f"torchpassd-{socket.gethostname()}-{os.getpid()}") as client:
+        for kind in (protocol.STATE, protocol.HEARTBEAT, protocol.ACK):
+            await client.subscribe(protocol.nodes_filter(kind))
+
+        async def publish_event(job: str, event: str, detail: dict[str, Any]) -> None:
+            payload = protocol.encode(protocol.EVENT, job=job, gen=0, body={"event": event, **detail})
+            try:
+                await client.publish(protocol.events_topic(job), payload, timeout=2.0)
+            except TorchPassError as exc:
+                logger.warning("events.publish_failed", job=job, event_name=event, error=str(exc))
+            await asyncio.to_thread(journal.add_event, event, job_id=job, migration_id=detail.get("migration"),
+                                    detail={k: v for k, v in detail.items() if k != "migration"})
+
+        commander = Commander(client)
+        deps = planned.Deps(cfg, journal, registry, commander, resizer, SparePool(slurm, cfg.slurm.spare_reservation),
+                            metrics, publish_event, state_dir / "steps")
+        orch = Orchestrator(deps, watcher)
+        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics)),
+                 asyncio.create_task(sdnotify.watchdog_loop())]
+        async with ControlServer(cfg.orchestrator.control_socket, orch.handlers(started, slurm.name, client),
+                                 group=cfg.orchestrator.control_group), \
+                MetricsServer(metrics, port=cfg.orchestrator.metrics_port) as metrics_server:
+            await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
+            await orch.recover()
+            tasks += [asyncio.create_task(_watch(watcher, orch)),
+                      asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]
+            sdnotify.ready(f"watching Slurm through {slurm.name}")
+            logger.info("torchpassd.ready", backend=slurm.name, metrics_port=metrics_server.port,
+                        control_socket=cfg.orchestrator.control_socket)
+            await stop.wait()
+            sdnotify.stopping()
+            logger.info("torchpassd.stopping", in_flight=sorted(orch.active))
+            for t in [*tasks, *orch.active.values()]:
+                t.cancel()
+            await asyncio.gather(*tasks, *orch.active.values(), return_exceptions=True)
+    journal.close()
+    return 0
+
+
+def run(cfg: Config) -> int:
+    """torchpassd's entry point (called by torchpassd.cli): 0 after a clean stop, 1 on a
+    start-up failure (logged with what to do)."""
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(serve(cfg))
+    except TorchPassError as exc:
+        log.get().error("torchpassd.failed", error=str(exc))
+        return 1

@@ -1,0 +1,209 @@
+"""``torchpassctl drill --mode planned-aware``: prove an installation end to end. Submits the
+example DDP job with ``sbatch --torchpass``, drains one of its nodes (never the batch host),
+waits for torchpassd's migration and for the job to finish, runs the same training locally under
+launchpad without a failure, and compares every per-step loss and the final parameter hashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_plugin.connect import open_client, runner_for
+from torchpass_common.config import Config
+from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd.ctl_client import DaemonClient
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
+MODES = ("planned-aware",)
+POLL = 0.5
+TERMINAL = ("succeeded", "failed", "rolled_back")
+
+_JOB_SCRIPT = """#!/bin/bash
+# TorchPass drill: the example DDP job, one worker per node, rendezvous on the batch host.
+export TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config}
+srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:{port} \\
+    {example} {args} --log {log}
+"""
+
+
+@dataclass
+class DrillReport:
+    """What ``torchpassctl drill --json`` prints."""
+
+    ok: bool = False
+    mode: str = "planned-aware"
+    job_id: str = ""
+    migrated_from: str = ""
+    migrated_to: str = ""
+    detect_s: float | None = None
+    pause_s: float | None = None
+    resumed_at_step: int | None = None
+    expected_step: int | None = None
+    lost_steps: int | None = None
+    bit_identical: bool = False
+    error: str | None = None
+    workdir: str = ""
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DrillSettings:
+    nodes: int = 4
+    steps: int = 300
+    step_sleep: float = 0.1
+    warmup_steps: int = 5
+    rdzv_port: int = 29500
+    timeout: float = 600.0
+
+
+def read_log(path: Path) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+    """The example script's ``--log``: (rank, step, loss hex) in file order, and final hashes."""
+    steps, finals = [], {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "final" in rec:
+            finals[rec["rank"]] = rec["final"]
+        else:
+            steps.append((rec["rank"], rec["step"], rec["loss"]))
+    return steps, finals
+
+
+def compare(run: Path, ref: Path, rank: int, expected_step: int, report: DrillReport) -> None:
+    """Fill in resumed_at_step (the first step the moved rank logged after its first
+    ``expected_step`` lines), lost_steps and bit_identical."""
+    got, got_final = read_log(run)
+    want, want_final = read_log(ref)
+    seq = [s for r, s, _ in got if r == rank]
+    report.expected_step = expected_step
+    report.resumed_at_step = seq[expected_step] if len(seq) > expected_step else None
+    have = {(r, s): loss for r, s, loss in got}
+    report.lost_steps = sum(1 for r, s, _ in want if (r, s) not in have)
+    report.bit_identical = (len(got) == len(want) and {(r, s): x for r, s, x in want} == have
+                            and got_final == want_final and bool(want_final))
+
+
+class Drill:
+    """One drill run against the torchpassd configured in ``cfg``."""
+
+    def __init__(self, cfg: Config, settings: DrillSettings, say: Callable[[str], None]) -> None:
+        self.cfg, self.s, self.say = cfg, settings, say
+        self.daemon = DaemonClient(cfg.orchestrator.control_socket)
+        self.runner = runner_for(cfg.slurm)
+        self.slurm = open_client(cfg.slurm)
+        self.t0 = time.monotonic()
+        self.report = DrillReport()
+
+    def _wait(self, what: str, check: Callable[[], Any], timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (timeout or self.s.timeout)
+        while not (value := check()):
+            if time.monotonic() > deadline:
+                raise MigrationError(f"drill: timed out waiting for {what}", job=self.report.job_id or None)
+            time.sleep(POLL)
+        return value
+
+    def _note(self, text: str) -> None:
+        self.say(f"[drill +{time.monotonic() - self.t0:6.1f}s] {text}")
+
+    def run(self) -> DrillReport:
+        rep = self.report
+        try:
+            self.daemon.call("status")
+            workdir = Path(self.cfg.orchestrator.state_dir) / "drills" / time.strftime("%Y%m%d-%H%M%S")
+            workdir.mkdir(parents=True, mode=0o755)
+            rep.workdir = str(workdir)
+            self._submit(workdir)
+            victim, rank = self._wait_training()
+            self._drain_and_migrate(victim, rank, workdir)
+        except TorchPassError as exc:
+            rep.error = str(exc)
+        rep.ok = (rep.error is None and rep.bit_identical and rep.lost_steps == 0
+                  and rep.resumed_at_step == rep.expected_step)
+        return rep
+
+    def _submit(self, workdir: Path) -> None:
+        s = self.s
+        script = workdir / "drill.sh"
+        script.write_text(_JOB_SCRIPT.format(
+            config=self.cfg.source or "", nodes=s.nodes, port=s.rdzv_port, example=EXAMPLE,
+            args=f"--steps {s.steps} --step-sleep {s.step_sleep}", log=workdir / "train.log"))
+        out = self.runner.run(["sbatch", "--parsable", "--torchpass=aware", f"-N{s.nodes}",
+                               "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))
+        self.report.job_id = out.strip().split(";")[0]
+        self._note(f"submitted job {self.report.job_id} ({s.nodes} nodes, {s.steps} steps)")
+
+    def _job(self) -> dict[str, Any] | None:
+        jobs = {j["job"]: j for j in self.daemon.call("jobs")}
+        return jobs.get(self.report.job_id)
+
+    def _wait_training(self) -> tuple[str, int]:
+        """Until every rank runs and has done a few steps; returns a non-batch node and its rank."""
+        def ready() -> dict[str, Any] | None:
+            job = self._job()
+            if not job or len(job["launchpads"]) < self.s.nodes:
+                return None
+            workers = [w for lp in job["launchpads"].values() for w in lp["workers"]]
+            return job if len(workers) == self.s.nodes and min(w["step"] for w in workers) >= self.s.warmup_steps \
+                else None
+        job = self._wait("every rank to train", ready)
+        victim = [n for n in job["nodes"] if n != job["batch_host"]][-1]
+        rank = job["launchpads"][victim]["workers"][0]["rank"]
+        self._note(f"training on {', '.join(job['nodes'])}; rank {rank} runs on {victim}")
+        return victim, rank
+
+    def _drain_and_migrate(self, victim: str, rank: int, workdir: Path) -> None:
+        rep = self.report
+        drained_at = time.time()
+        self.runner.run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=torchpass drill"])
+        self._note(f"drained {victim}")
+        try:
+            mig = self._wait(f"the migration off {victim}", lambda: next(
+                (m for m in self.daemon.call("history", job=rep.job_id)
+                 if m["source"] == victim and m["status"] in TERMINAL), None))
+        finally:
+            self.runner.run(["scontrol", "update", f"nodename={victim}", "state=resume"])
+        rep.migrated_from, rep.migrated_to = victim, mig["target"] or ""
+        phases = mig["phases"]
+        rep.timeline = [{"phase": p["phase"], "status": p["status"], "seconds": round(p["seconds"], 3)} for p in phases]
+        for p in phases:
+            self._note(f"  {p['phase']:<13} {p['status']:<11} +{p['seconds']:.3f}s")
+        if mig["status"] != "succeeded":
+            raise MigrationError(f"the migration ended {mig['status']}: {mig['error']}", job=rep.job_id)
+        chosen = next(p for p in phases if p["phase"] == "spare_chosen")
+        resumed = next(p for p in phases if p["phase"] == "resumed")
+        rep.detect_s = round(chosen["at"] - drained_at, 3)
+        rep.pause_s = resumed["detail"]["pause_s"]
+        paused_step = resumed["detail"]["plan"]["paused_step"]
+        self._note(f"moved rank {rank} {victim} -> {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s")
+        self._wait(f"job {rep.job_id} to finish", lambda: not (j := self.slurm.job(int(rep.job_id))) or not j.active)
+        self._note("job finished; running the reference without a failure")
+        ref = workdir / "reference.log"
+        self._reference(ref)
+        compare(workdir / "train.log", ref, rank, paused_step, rep)
+
+    def _reference(self, log: Path) -> None:
+        s = self.s
+        argv = [sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(s.nodes),
+                str(EXAMPLE), "--steps", str(s.steps), "--log", str(log)]
+        try:
+            env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}  # no control plane
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.s.timeout, check=False, env=env)
+        except subprocess.TimeoutExpired:
+            raise MigrationError(f"the reference run did not finish within {self.s.timeout:.0f} s") from None
+        if proc.returncode != 0:
+            raise MigrationError(f"the reference run failed (rc={proc.returncode}): {proc.stderr[-500:]}")
+
+
+def run(cfg: Config, mode: str, settings: DrillSettings, say: Callable[[str], None]) -> dict[str, Any]:
+    """Run one drill and return its report as a plain dict."""
+    if mode not in MODES:
+        raise MigrationError(f"drill mode {mode!r} is not available", hint=f"use one of {', '.join(MODES)}")
+    report = Drill(cfg, settings, say).run()
+    report.mode = mode
+    return asdict(report)

@@ -1,0 +1,355 @@
+"""The planned, model-aware migration of one node's rank off a draining node onto a spare:
+spare chosen -> added to the job -> launchpad and joining worker started there -> all ranks
+pause after one step S -> the leaving rank's save() state streamed by the wormhole -> new
+generation formed -> resume -> drained node released. Every phase is journaled (with what a
+restarted torchpassd needs), published on the job's events topic and timed; a failure before
+the hand-over rolls back to the running job, after it the migration is driven forward."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_plugin.resize import JobResizer
+from slurm_plugin.spares import SparePool
+from torchpass_common import agent_channel as ac
+from torchpass_common import log
+from torchpass_common.config import Config
+from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd import journal as jn
+from torchpassd.commander import Commander
+from torchpassd.metrics import Metrics
+from torchpassd.registry import JobView, Registry
+
+MODE = "planned-aware"
+WORMHOLE_PORT_BASE = 29400  # the joiner listens on BASE + generation (a fresh port per migration)
+PAUSE_MARGIN_S = 1.5  # steps the job may run between the last heartbeat and the pause command
+# Phases in order; a restarted torchpassd rolls back a migration that stopped before HANDED_OVER.
+REQUESTED, SPARE_CHOSEN, SPARE_ADDED, JOINER_READY, PAUSED = (
+    "requested", "spare_chosen", "spare_added", "joiner_ready", "paused")
+HANDED_OVER, REFORMED, RESUMED, RELEASED, ROLLED_BACK, FAILED = (
+    "handed_over", "reformed", "resumed", "released", "rolled_back", "failed")
+BEFORE_HANDOVER = (REQUESTED, SPARE_CHOSEN, SPARE_ADDED, JOINER_READY, PAUSED)
+
+
+@dataclass
+class Plan:
+    """What one migration decided so far; journaled with every phase (never the token)."""
+
+    job: str
+    source: str
+    gen: int
+    rank: int = -1
+    world_size: int = 0
+    target: str = ""
+    target_addr: str = ""
+    port: int = 0
+    store_host: str = ""
+    store_port: int = 0
+    at_step: int = -1
+    paused_step: int = -1
+    survivors: list[str] = field(default_factory=list)
+    paused_at: float = 0.0
+    resumed_at: float = 0.0
+
+    @property
+    def new_gen(self) -> int:
+        return self.gen + 1
+
+    @classmethod
+    def from_record(cls, rec: jn.MigrationRecord) -> Plan:
+        merged: dict[str, Any] = {}
+        for p in rec.phases:
+            merged.update(p.detail.get("plan", {}))
+        known = set(cls.__dataclass_fields__)
+        plan = cls(job=rec.job_id, source=rec.source, gen=rec.gen)
+        for k, v in merged.items():
+            if k in known:
+                setattr(plan, k, v)
+        return plan
+
+
+@dataclass(frozen=True)
+class WorkerTemplate:
+    """How the leaving rank's worker was started, read from its /proc entry through a job step:
+    enough to start the same script as a joining rank on the spare."""
+
+    python: str
+    script_args: list[str]
+    env: dict[str, str]
+    cwd: str
+
+    @classmethod
+    def parse(cls, text: str, *, job: str, node: str) -> WorkerTemplate:
+        try:
+            argv_part, env_part, cwd = text.split("\n===\n")
+            argv = [a for a in argv_part.split("\n") if a]
+            boot = argv.index("torchpass._bootstrap")
+        except ValueError:
+            raise MigrationError("the leaving worker does not run under the torchpass bootstrap",
+                                 hint="start training through launchpad (srun torchrun under --torchpass)",
+                                 job=job, node=node) from None
+        env = dict(line.split("=", 1) for line in env_part.split("\n") if "=" in line)
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise MigrationError(f"the leaving worker's environment lacks {name}", job=job, node=node,
+                                     hint="it was not started by launchpad")
+        return cls(argv[0], argv[boot + 1:], env, cwd.strip())
+
+
+@dataclass
+class Deps:
+    """What a migration works with; built once by the daemon."""
+
+    cfg: Config
+    journal: jn.Journal
+    registry: Registry
+    commander: Commander
+    resizer: JobResizer
+    pool: SparePool
+    metrics: Metrics
+    publish_event: Callable[[str, str, dict[str, Any]], Awaitable[None]]
+    steps_dir: Path
+    steps: dict[str, subprocess.Popen] = field(default_factory=dict)  # migration -> spare's srun
+
+
+class PlannedMigration:
+    """One migration of ``plan.source``'s rank in ``plan.job``; ``run()`` drives it to an end."""
+
+    def __init__(self, deps: Deps, plan: Plan, migration: str, *, detected_at: float) -> None:
+        self.d = deps
+        self.plan = plan
+        self.id = migration
+        self.detected_at = detected_at  # wall time the drain was seen
+        self.token = secrets.token_bytes(32)
+        self.t = deps.cfg.timeouts
+        self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
+        self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    async def phase(self, name: str, status: str = jn.RUNNING, error: str | None = None,
+                    **detail: Any) -> None:
+        rec = await asyncio.to_thread(self.d.journal.record_transition, self.id, name, status,
+                                      {"plan": asdict(self.plan), **detail},
+                                      target=self.plan.target or None, error=error)
+        self.log.info("migration.phase", phase=name, status=status, seconds=round(rec.seconds, 3),
+                      **({"error": error} if error else {}))
+        await self.d.publish_event(self.plan.job, "migration.phase", {
+            "migration": self.id, "phase": name, "status": status, "seconds": rec.seconds,
+            "source": self.plan.source, "target": self.plan.target, "error": error, **detail})
+
+    def view(self) -> JobView:
+        return self.d.registry.job(self.plan.job)
+
+    async def send(self, node: str, cmd: str, gen: int, args: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
+        return await self.d.commander.send(self.plan.job, node, cmd, migration=self.id, gen=gen,
+                                           args=args, timeout=timeout or self.t.decision)
+
+    # ---- the flow --------------------------------------------------------------------------
+    async def run(self) -> str:
+        """Carry the migration out; returns the final status (succeeded or rolled_back)."""
+        try:
+            await self._prepare()
+            await self._pause()
+            await self._hand_over()
+        except TorchPassError as exc:
+            await self.roll_back(str(exc))
+            return jn.ROLLED_BACK
+        return await self.finish()
+
+    async def _prepare(self) -> None:
+        p, view = self.plan, self.view()
+        ranks = view.ranks_on(p.source)
+        if len(ranks) != 1:
+            raise MigrationError(f"the leaving node runs ranks {ranks}; planned migration moves exactly one",
+                                 hint="run one worker per node (--nproc-per-node 1)", **self.where)
+        p.rank = ranks[0]
+        p.survivors = sorted(n for n, lp in view.launchpads.items()
+                             if lp.online and lp.workers and n != p.source)
+        p.target = await asyncio.to_thread(self.d.pool.take, job=int(p.job))
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        p.target_addr = nodes[p.target].addr or p.target
+        p.port = WORMHOLE_PORT_BASE + p.new_gen
+        await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
+        await asyncio.to_thread(self.d.resizer.add_node, int(p.job), p.target)
+        await self.phase(SPARE_ADDED)
+        tpl = await self._template()
+        p.world_size, p.store_host = int(tpl.env["WORLD_SIZE"]), tpl.env["MASTER_ADDR"]
+        p.store_port = int(tpl.env["MASTER_PORT"])
+        await self._start_joiner(tpl)
+        await self.phase(JOINER_READY)
+
+    async def _template(self) -> WorkerTemplate:
+        """Read the leaving worker's command line, environment and cwd (a step on its node)."""
+        p = self.plan
+        lp = self.view().launchpads[p.source]
+        pid = next(w["pid"] for w in lp.workers if w["rank"] == p.rank)
+        script = (f"tr '\\0' '\\n' </proc/{pid}/cmdline; echo; echo ===; tr '\\0' '\\n' </proc/{pid}/environ; "
+                  f"echo; echo ===; readlink /proc/{pid}/cwd")
+        proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), p.source, ["sh", "-c", script],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = await asyncio.to_thread(proc.communicate, timeout=self.d.cfg.slurm.command_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            raise MigrationError("reading the leaving worker's command line timed out", **self.where) from None
+        if proc.returncode != 0:
+            raise MigrationError(f"cannot read the leaving worker's command line: {err.strip()}", **self.where)
+        return WorkerTemplate.parse(out, job=p.job, node=p.source)
+
+    def _joiner_argv(self, tpl: WorkerTemplate) -> list[str]:
+        p = self.plan
+        config = tpl.env.get("TORCHPASS_CONFIG") or self.d.cfg.source
+        return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", p.target,
+                *(["--config", config] if config else []),
+                "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{p.store_host}:{p.store_port}", "--rdzv-id", f"{p.job}-join-{self.id[:8]}",
+                # launchpad gives a lone worker rank 0 of 1; env sets the rank it takes over.
+                "--no-python", "/usr/bin/env", f"RANK={p.rank}", f"ROLE_RANK={p.rank}",
+                f"WORLD_SIZE={p.world_size}", f"ROLE_WORLD_SIZE={p.world_size}",
+                tpl.python, "-u", "-m", "torchpass._bootstrap", *tpl.script_args]
+
+    async def _start_joiner(self, tpl: WorkerTemplate) -> None:
+        p = self.plan
+        source = {"listen_host": "0.0.0.0", "port": p.port, "token": self.token.hex()}
+        self.d.steps_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
+        try:
+            proc = await asyncio.to_thread(
+                self.d.resizer.start_step, int(p.job), p.target, self._joiner_argv(tpl),
+                extra_env={ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)},
+                stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None, start_new_session=True)
+        finally:
+            out.close()
+        self.d.steps[self.id] = proc
+        asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
+        await self._wait_receiver(proc)
+
+    async def _wait_receiver(self, proc: subprocess.Popen) -> None:
+        """Until the joiner's wormhole receiver listens (it has built its model and sits in
+        register()); the launchpad step ending first is a failure."""
+        p = self.plan
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.t.decision
+        while True:
+            if proc.poll() is not None:
+                raise MigrationError(f"the joiner's launchpad step on {p.target} ended (rc={proc.returncode})",
+                                     hint=f"see {self.d.steps_dir}", **self.where)
+            with contextlib.suppress(OSError):
+                sock = await asyncio.wait_for(asyncio.open_connection(p.target_addr, p.port), 1.0)
+                sock[1].close()
+                return
+            if loop.time() > deadline:
+                raise MigrationError(f"the joiner on {p.target} did not get ready within {self.t.decision:.0f} s",
+                                     **self.where)
+            await asyncio.sleep(0.1)
+
+    def _pause_step(self) -> int:
+        """A step every rank is still before: the highest reported step plus what the job may
+        run during the heartbeat lag and the command's delivery."""
+        view = self.view()
+        lps = [view.launchpads[n] for n in [*self.plan.survivors, self.plan.source]]
+        rate = max(lp.steps_per_s for lp in lps)
+        lag = max(lp.heartbeat_age() or 0.0 for lp in lps) + PAUSE_MARGIN_S
+        return max(lp.max_step for lp in lps) + 1 + math.ceil(rate * lag)
+
+    async def _pause(self) -> None:
+        p = self.plan
+        p.at_step = self._pause_step()
+        nodes = [*p.survivors, p.source]
+        acks = await asyncio.gather(*(self.send(n, "pause", p.gen, {"at_step": p.at_step, "gen": p.gen})
+                                      for n in nodes))
+        steps = {int(r): s for a in acks for r, s in a["steps"].items()}
+        if set(steps.values()) != {p.at_step}:
+            raise MigrationError(f"ranks paused at different steps {steps}", **self.where)
+        p.paused_step, p.paused_at = p.at_step, time.time()
+        await self.phase(PAUSED, step=p.paused_step)
+
+    async def _hand_over(self) -> None:
+        p = self.plan
+        dest = {"host": p.target_addr, "port": p.port, "token": self.token.hex()}
+        res = await self.send(p.source, "save", p.gen, {"rank": p.rank, "dest": dest})
+        await self.phase(HANDED_OVER, bytes=res.get("bytes"), transfer_s=res.get("seconds"))
+
+    async def finish(self) -> str:
+        """From the hand-over on: form the new generation, resume, release the drained node.
+        Also used by a restarted torchpassd (every command here is idempotent)."""
+        p = self.plan
+        members = [*p.survivors, p.target]
+        args = {"gen": p.new_gen, "world_size": p.world_size, "store_host": p.store_host,
+                "store_port": p.store_port, "prefix": f"/torchpass/{p.job}/gen{p.new_gen}"}
+        try:
+            await asyncio.gather(*(self.send(n, "reform", p.new_gen, args) for n in members),
+                                 self.send(p.source, "exit", p.gen))
+            await self.phase(REFORMED)
+            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
+            p.resumed_at = time.time()
+            pause_s = p.resumed_at - p.paused_at
+            await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.paused_step)
+            await self._source_gone()
+            await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.source)
+        except TorchPassError as exc:
+            await self.phase(FAILED, jn.FAILED, error=str(exc))
+            self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+            return jn.FAILED
+        self.d.metrics.migration_pause_seconds.observe(pause_s)
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="succeeded")
+        await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3))
+        self.d.steps.pop(self.id, None)
+        return jn.SUCCEEDED
+
+    async def _source_gone(self) -> None:
+        """Let the leaving launchpad finish on its own (its task then ends cleanly) before Slurm
+        takes the node away; past the re-form timeout Slurm's release stops it anyway."""
+        view = self.view()
+        with contextlib.suppress(MigrationError):
+            await self.d.registry.wait_for(
+                lambda: True if not (lp := view.launchpads.get(self.plan.source)) or not lp.online else None,
+                self.t.reform, f"the launchpad on {self.plan.source} to exit", **self.where)
+
+    async def roll_back(self, reason: str) -> None:
+        """Back to the job as it was: paused ranks resume in the current generation, the
+        joiner and its launchpad go, the spare leaves the job and returns to the pool."""
+        p = self.plan
+        self.log.warning("migration.rolling_back", reason=reason)
+        nodes = [n for n in [*p.survivors, p.source] if self.view().launchpads.get(n)]
+        results = await asyncio.gather(*(self.send(n, "abort", p.gen, timeout=self.t.reform) for n in nodes),
+                                       return_exceptions=True)
+        problems = [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
+        if p.target:
+            proc = self.d.steps.pop(self.id, None)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+            elif self.view().launchpads.get(p.target, None) is not None:  # started by a previous torchpassd
+                with contextlib.suppress(TorchPassError):
+                    await self.send(p.target, "exit", p.gen, timeout=5.0)
+            try:
+                await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.target)
+            except TorchPassError as exc:
+                problems.append(f"releasing {p.target}: {exc}")
+            self.d.pool.give_back(p.target)
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+        await self.phase(ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
+
+
+async def resume_after_restart(mig: PlannedMigration, phase: str) -> str:
+    """A migration a previous torchpassd left in ``phase``: roll it back if the hand-over had not
+    happened (the leaving rank still holds the only copy of its state), else drive it forward."""
+    if phase in BEFORE_HANDOVER:
+        await mig.roll_back(f"torchpassd restarted during phase {phase}, before the hand-over")
+        return jn.ROLLED_BACK
+    if phase in (HANDED_OVER, REFORMED, RESUMED):
+        return await mig.finish()
+    raise MigrationError(f"in-flight migration is in unknown phase {phase}", **mig.where)
+

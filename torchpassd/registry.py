@@ -1,0 +1,124 @@
+"""The job registry: which TorchPass jobs run, on which nodes, and what each node's launchpad
+last said (online or not, its workers' ranks, steps, states and pids, heartbeat age). Fed by
+Slurm events and by MQTT state/heartbeat messages; waiters are woken on every change. It keeps
+no history (the journal does) and makes no decisions (planned.py and daemon.py do)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from torchpass_common import protocol
+from torchpass_common.errors import MigrationError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Launchpad:
+    """One node's launchpad as the control plane shows it."""
+
+    node: str
+    online: bool = False
+    gen: int = 0
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    last_heartbeat: float | None = None  # time.monotonic()
+    # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
+    _prev: tuple[float, int] | None = None
+    steps_per_s: float = 0.0
+
+    @property
+    def max_step(self) -> int:
+        return max((w["step"] for w in self.workers), default=0)
+
+    def heartbeat_age(self, now: float | None = None) -> float | None:
+        if self.last_heartbeat is None:
+            return None
+        return (now or time.monotonic()) - self.last_heartbeat
+
+
+@dataclass
+class JobView:
+    """One tracked job: Slurm's view (user, nodes, batch host) plus its launchpads."""
+
+    job_id: str
+    user: str = ""
+    mode: str = "auto"
+    nodes: tuple[str, ...] = ()
+    batch_host: str = ""
+    launchpads: dict[str, Launchpad] = field(default_factory=dict)
+    blocked: str = ""  # why a wanted migration cannot start (e.g. no spare), for operators
+
+    def launchpad(self, node: str) -> Launchpad:
+        return self.launchpads.setdefault(node, Launchpad(node))
+
+    def ranks_on(self, node: str) -> list[int]:
+        lp = self.launchpads.get(node)
+        return sorted(w["rank"] for w in lp.workers) if lp else []
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"job": self.job_id, "user": self.user, "mode": self.mode, "nodes": list(self.nodes),
+                "batch_host": self.batch_host, "blocked": self.blocked,
+                "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
+                                   "heartbeat_age": None if lp.last_heartbeat is None
+                                   else round(lp.heartbeat_age(now) or 0.0, 3),
+                                   "steps_per_s": round(lp.steps_per_s, 2)}
+                               for n, lp in sorted(self.launchpads.items())}}
+
+
+class Registry:
+    """All tracked jobs, by Slurm job id (as a string, the control plane's job name)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobView] = {}
+        self._changed = asyncio.Condition()
+
+    def job(self, job_id: str) -> JobView:
+        return self.jobs.setdefault(job_id, JobView(job_id))
+
+    def forget(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def update_job(self, job_id: str, **fields: Any) -> JobView:
+        view = self.job(job_id)
+        for name, value in fields.items():
+            setattr(view, name, value)
+        await self._notify()
+        return view
+
+    async def on_message(self, node: str, msg: protocol.Message) -> None:
+        """Apply a state or heartbeat message from ``node``'s launchpad."""
+        lp = self.job(msg.job).launchpad(node)
+        now = time.monotonic()
+        if msg.kind == protocol.STATE:
+            lp.online = bool(msg.body["online"])
+            lp.gen = msg.gen
+            if not lp.online:
+                lp.workers = []
+        elif msg.kind == protocol.HEARTBEAT:
+            lp.online, lp.gen, lp.workers, lp.last_heartbeat = True, msg.gen, list(msg.body["workers"]), now
+            if lp._prev is not None and now > lp._prev[0] and lp.max_step >= lp._prev[1]:
+                lp.steps_per_s = (lp.max_step - lp._prev[1]) / (now - lp._prev[0])
+            lp._prev = (now, lp.max_step)
+        await self._notify()
+
+    async def wait_for(self, check: Callable[[], T | None], timeout: float, what: str, **where: Any) -> T:
+        """Wait until ``check()`` returns something other than None (re-checked on every change);
+        MigrationError naming ``what`` after ``timeout`` seconds."""
+        async def waiting() -> T:
+            async with self._changed:
+                while (value := check()) is None:
+                    await self._changed.wait()
+                return value
+        try:
+            return await asyncio.wait_for(waiting(), timeout)
+        except TimeoutError:
+            raise MigrationError(f"timed out after {timeout:.0f} s waiting for {what}", **where) from None
