@@ -20,7 +20,7 @@ _MAC = 32
 _HELLO = struct.Struct(f"!4sH{_NONCE}s")  # magic, version, sender nonce
 _CHALLENGE = struct.Struct(f"!4sH{_NONCE}s{_MAC}s")  # magic, version, receiver nonce, receiver proof
 _BINDING = struct.Struct("!16sHH")  # session id, stream index, stream count
-_ACCEPTED = b"\x01"
+_VERDICT = struct.Struct("!BH")  # admitted flag, length of the reason that follows
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,27 @@ def client_handshake(stream: Stream, token: bytes, info: StreamInfo) -> None:
                             "nothing was sent")
     binding = _BINDING.pack(info.session, info.index, info.count)
     stream.send(binding + _proof(token, b"sender", nonce_c, nonce_r, binding))
-    if stream.recv_exact(1) != _ACCEPTED:
-        raise WormholeError("receiver refused this stream", peer=stream.peer)
+    verdict = stream.recv_exact(_VERDICT.size)
+    ok, length = _VERDICT.unpack(verdict)
+    if not ok:
+        reason = stream.recv_exact(min(length, 1024)).decode(errors="replace")
+        raise WormholeError(f"receiver refused this stream: {reason}", peer=stream.peer)
+
+
+def admit(stream: Stream) -> None:
+    """Receiver side, after server_handshake: take this authenticated stream into the transfer."""
+    stream.send(_VERDICT.pack(1, 0))
+
+
+def turn_away(stream: Stream, reason: str) -> None:
+    """Receiver side: tell an authenticated (so trusted) sender why its stream is not taken."""
+    raw = reason.encode()[:1024]
+    stream.send(_VERDICT.pack(0, len(raw)) + raw)
 
 
 def server_handshake(stream: Stream, token: bytes) -> StreamInfo:
-    """Receiver side: challenge the peer; return its stream binding or raise Refused."""
+    """Receiver side: challenge the peer; return its stream binding or raise Refused. The caller
+    then answers with admit() or turn_away(); a peer that failed is told nothing."""
     try:
         hello = stream.recv_exact(_HELLO.size)
     except WormholeError as exc:
@@ -88,5 +103,4 @@ def server_handshake(stream: Stream, token: bytes) -> StreamInfo:
     if not hmac.compare_digest(proof, _proof(token, b"sender", nonce_c, nonce_r, binding)):
         raise Refused("peer failed authentication (wrong token)", peer=stream.peer)
     session, index, count = _BINDING.unpack(binding)
-    stream.send(_ACCEPTED)
     return StreamInfo(session, index, count)

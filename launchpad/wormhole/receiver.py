@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import torch
 
-from launchpad.wormhole.auth import Refused, StreamInfo, check_token, server_handshake
+from launchpad.wormhole.auth import Refused, StreamInfo, admit, check_token, server_handshake, turn_away
 from launchpad.wormhole.layout import leaves_of, unflatten
 from launchpad.wormhole.parallel import run_parallel
 from launchpad.wormhole.payload import BufferSink, FileSink, Sink, Slot, TensorSink, check_spec, make_slot
@@ -158,15 +158,23 @@ class StateReceiver:
                     self._pending.discard(stream)
                 if isinstance(outcome, Refused):
                     self._refuse(stream, outcome.message)
-                elif outcome.count != self.streams:
-                    self._refuse(stream, f"sender uses {outcome.count} streams, receiver expects {self.streams}")
+                    continue
+                if outcome.count != self.streams:
+                    reason = f"sender uses {outcome.count} streams, receiver expects {self.streams}"
                 elif session not in (None, outcome.session) or outcome.index in accepted \
                         or outcome.index >= self.streams:
-                    self._refuse(stream, "stream belongs to another transfer session")
+                    reason = "stream belongs to another transfer session"
                 else:
                     session = outcome.session
                     stream.set_timeout(self._transport.io_timeout)
+                    admit(stream)
                     accepted[outcome.index] = stream
+                    continue
+                try:
+                    turn_away(stream, reason)
+                except WormholeError:
+                    pass  # it hung up already; the refusal is logged below either way
+                self._refuse(stream, reason)
         except BaseException:
             for s in accepted.values():
                 s.close()

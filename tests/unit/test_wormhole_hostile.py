@@ -203,3 +203,13 @@ def test_short_token_and_unreachable_receiver_are_clear_errors():
         port = s.getsockname()[1]
     with pytest.raises(WormholeError, match=f"cannot connect to wormhole receiver 127.0.0.1:{port}"):
         send_state({}, "127.0.0.1", port, TOKEN, context={"migration": "m1", "rank": 3})
+
+
+def test_stream_count_mismatch_is_explained_to_the_sender():
+    with StateReceiver("127.0.0.1", 0, TOKEN, streams=2) as rx:
+        pending = rx.start(timeout=1)
+        with pytest.raises(WormholeError, match="receiver refused this stream: sender uses 3 streams, "
+                                                "receiver expects 2"):
+            send_state(_state(), "127.0.0.1", rx.port, TOKEN, streams=3)
+        with pytest.raises(WormholeError, match="no authenticated sender"):
+            pending.result(timeout=10)
