@@ -25,7 +25,7 @@ from launchpad.wormhole.payload import BufferSink, FileSink, Sink, Slot, TensorS
 from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
-from launchpad.wormhole.wire import CHUNK, checksum, recv_frame, send_status
+from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, checksum, recv_frame, send_status
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
@@ -36,20 +36,20 @@ def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Si
     header = bytearray(CHUNK.size)
     for c in chunks:
         stream.recv_into(memoryview(header))
-        item, offset, length, crc = CHUNK.unpack(header)
-        if (item, offset, length) != (c.item, c.offset, c.length):
-            raise WormholeError(f"stream {index} out of step: expected chunk {c}, got item {item} "
-                                f"offset {offset} length {length}", peer=stream.peer,
+        if CHUNK.unpack(header) != (c.item, c.offset, c.length):
+            raise WormholeError(f"stream {index} out of step: expected chunk {c}, got (item, offset, length) "
+                                f"{CHUNK.unpack(header)}", peer=stream.peer,
                                 hint="the stream was corrupted; retry the transfer")
-        sink = sinks[item]
-        with sink.view[offset:offset + length] as view:
-            stream.recv_into(view)
-            intact = checksum(view) == crc
-        if not intact:
-            raise WormholeError(f"checksum mismatch in {sink.path} bytes {offset}..{offset + length} "
+        sink, crc = sinks[c.item], 0
+        for lo in range(c.offset, c.offset + c.length, PIECE):
+            with sink.view[lo:min(lo + PIECE, c.offset + c.length)] as piece:
+                stream.recv_into(piece)
+                crc = checksum(piece, crc)
+        if TRAILER.unpack(stream.recv_exact(TRAILER.size))[0] != crc:
+            raise WormholeError(f"checksum mismatch in {sink.path} bytes {c.offset}..{c.offset + c.length} "
                                 f"on stream {index} (corrupted in transit)", peer=stream.peer,
                                 hint="retry the transfer; if it repeats, check the NIC and link")
-        meter.add(length)
+        meter.add(c.length)
 
 
 class StateReceiver:
