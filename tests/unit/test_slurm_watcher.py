@@ -85,3 +85,12 @@ def test_spare_health() -> None:
     assert kinds(diff(drained, ok, RESV)) == ["NodeReturned", "SpareAdded"]
     moved = snap({"n4": IDLE, "n5": SPARE}, [], spares=("n4",))
     assert kinds(diff(ok, moved, RESV)) == ["SpareAdded", "SpareRemoved"]
+
+
+def test_failed_flag_and_unknown_nodes() -> None:
+    j = job(7, ("n1", "n2"))
+    base = snap({"n1": BUSY, "n2": BUSY, "n5": SPARE}, [j])
+    failed = snap({"n1": BUSY, "n2": ("mixed", {"FAIL"}), "n5": SPARE}, [j])
+    assert kinds(diff(base, failed, RESV)) == ["NodeFailed"]
+    vanished = snap({"n1": BUSY, "n5": SPARE}, [j])  # a node slurmctld no longer lists is skipped
+    assert diff(base, vanished, RESV) == []
