@@ -17,7 +17,7 @@ TORCHPASS_MODES = ("aware", "transparent", "auto")
 # A job is a TorchPass job when its comment (or admin comment) carries the marker that
 # spank/cli_filter.lua writes for --torchpass / --torchpass-spares. Slurm 22.05 shows slurmctld's
 # clients neither the SPANK job environment nor the submit line, so the comment is the carrier.
-_COMMENT_MARK = re.compile(r"\btorchpass:mode=(\w+)(?:,spares=(\d+))?")
+_COMMENT_MARK = re.compile(rf"\btorchpass:mode=({'|'.join(TORCHPASS_MODES)})\b(?:,spares=(\d+))?")
 
 
 @dataclass(frozen=True)
