@@ -19,6 +19,7 @@ SERVICES = ("munged", "mariadbd", "slurmdbd", "slurmctld", "mosquitto")
 MAX_NODES = 50
 NODES_TIMEOUT = 30.0
 READY_STATES = {"idle", "reserved"}
+STATE_SENTINEL = ".torchpass-devcluster"
 
 
 def daemon_names(inst: Instance) -> list[str]:
@@ -51,7 +52,30 @@ def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
         say("tearing down the previous instance first")
         down(inst, say)
     say(f"Debian {host.debian}, Slurm {host.slurm_release}, plugins in {host.plugin_dir}")
-    shutil.rmtree(inst.state_dir, ignore_errors=True)
+    fresh_state_dir(want)
+    try:
+        start(want, host, say)
+    except BaseException:
+        say(f"bring-up failed; stopping what was started (logs stay in {want.log_dir})")
+        down(want, say)
+        raise
+    return want
+
+
+def fresh_state_dir(inst: Instance) -> None:
+    """Empty the state directory, refusing one that a dev cluster did not make."""
+    d = inst.state_dir
+    ours = (d / STATE_SENTINEL).exists() or conffiles.is_ours(inst.slurm_conf)
+    if d.is_dir() and any(d.iterdir()) and not ours:
+        raise DevClusterError(f"{d} is not empty and is not a dev cluster state directory; refusing to wipe it",
+                              instance=inst.id, hint="point TORCHPASS_DEVCLUSTER_DIR at a new directory")
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    (d / STATE_SENTINEL).write_text("state directory of a TorchPass dev cluster; `devcluster up` wipes it\n")
+
+
+def start(want: Instance, host: hostinfo.HostInfo, say: Say) -> None:
+    """Configure and start everything, in dependency order, each step checked before the next."""
     conffiles.write_all(want, host)
     want.write_shape()
     say(f"config written to {want.etc}")
@@ -70,11 +94,10 @@ def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
     daemons.start_mosquitto(want)
     say(f"mosquitto ready on {want.bridge_addr}:{want.port('mosquitto')} and 127.0.0.1")
     wait_nodes(want, want.node_names, {"idle"}, NODES_TIMEOUT)
-    say(f"all {nodes} nodes idle")
+    say(f"all {want.nodes} nodes idle")
     slurmctl.ensure_reservation(want)
-    if spares:
+    if want.spares:
         say(f"reservation {SPARE_RESERVATION} holds {', '.join(want.spare_names)}")
-    return want
 
 
 def wait_nodes(inst: Instance, nodes: list[str], states: set[str], timeout: float) -> None:

@@ -21,7 +21,7 @@ DAEMON_TIMEOUT = 30.0
 TEMPLATE_CACHE = Path("/tmp/tpdc-cache")
 # Small and not durable: the accounting database lives as long as the dev cluster.
 MARIADB_OPTS = ["--innodb-log-file-size=8M", "--innodb-buffer-pool-size=32M",
-                "--innodb-flush-log-at-trx-commit=0", "--innodb-doublewrite=0", "--innodb-flush-method=nosync"]
+                "--innodb-flush-log-at-trx-commit=0", "--innodb-doublewrite=0"]
 
 
 def tcp_open(host: str, port: int) -> bool:

@@ -41,6 +41,10 @@ class HostInfo:
         return self.slurm_version >= (24, 5)
 
     @property
+    def has_jwt(self) -> bool:
+        return Path(self.plugin_dir, "auth_jwt.so").exists()
+
+    @property
     def has_switch_none(self) -> bool:
         return Path(self.plugin_dir, "switch_none.so").exists()
 
