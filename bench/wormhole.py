@@ -2,12 +2,15 @@
 plain sendall / recv_into of a pre-touched bytearray versus ``send_state`` of a model-like state
 (embedding + transformer layers, 2 GiB by default) into a pre-faulted template, for 1 and 2
 streams. Endpoints are two child processes, on loopback or (``--devcluster``) in nodes n1 and n2.
-``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}."""
+``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}, and
+the CPU seconds per GB both endpoints spent (on a shared, busy VM the throughput of a CPU-bound
+loopback follows the CPU cost, so ``cpu_ratio`` = raw CPU / wormhole CPU is the steadier figure)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import secrets
 import socket
 import statistics
@@ -88,6 +91,12 @@ def _raw_send(host: str, port: int, buf: memoryview, streams: int) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu() -> float:
+    """CPU seconds (user + system, all threads) this process used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _checksum_rate(buf: memoryview, chunk: int) -> float:
     """GB/s of the per-chunk checksum on one core: its cost is paid once on each side."""
     t0 = time.perf_counter()
@@ -107,17 +116,20 @@ def _role_receiver(args: argparse.Namespace) -> None:
         if kind == "raw":
             sock = socket.create_server((args.host, 0))
             print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
+            cpu0 = _cpu()
             _raw_serve(sock, raw, streams)
             sock.close()
-            print(json.dumps({"ok": True}), flush=True)
+            print(json.dumps({"cpu": _cpu() - cpu0}), flush=True)
             continue
         template = None if kind == "fresh" else state
         with StateReceiver(args.host, 0, token, streams=streams, template=template,
                            in_place=(kind == "inplace")) as rx:
             print(json.dumps({"port": rx.port}), flush=True)
+            cpu0 = _cpu()
             got = rx.receive(timeout=IO_TIMEOUT)
+            cpu = _cpu() - cpu0
         assert got["step"] == 1234 and len(got["model"]) == len(state["model"])
-        print(json.dumps({"ok": True, "seconds": rx.stats.seconds}), flush=True)
+        print(json.dumps({"cpu": cpu}), flush=True)
 
 
 def _role_sender(args: argparse.Namespace) -> None:
@@ -129,13 +141,14 @@ def _role_sender(args: argparse.Namespace) -> None:
     print(json.dumps({"bytes": len(raw), "checksum_gbps": _checksum_rate(raw, args.chunk)}), flush=True)
     for line in sys.stdin:
         kind, streams, port = line.split()[0], int(line.split()[1]), int(line.split()[2])
+        cpu0 = _cpu()
         if kind == "raw":
             seconds = _raw_send(args.host, port, raw, streams)
         else:
             t0 = time.perf_counter()
             send_state(state, args.host, port, token, streams=streams, chunk_bytes=args.chunk)
             seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds}), flush=True)
+        print(json.dumps({"seconds": seconds, "cpu": _cpu() - cpu0}), flush=True)
 
 
 class _Peer:
@@ -203,21 +216,27 @@ def main(argv: list[str]) -> dict[str, Any]:
         result["checksum_gbps"] = hello["checksum_gbps"]
         for streams in [int(s) for s in args.streams.split(",")]:
             times: dict[str, list[float]] = {kind: [] for kind in kinds}
+            cpus: dict[str, list[float]] = {kind: [] for kind in kinds}
             for _ in range(args.reps):  # interleaved, so load from other processes hits all kinds alike
                 for kind in kinds:
                     rx.send(f"{kind} {streams}")
                     port = rx.read()["port"]
                     tx.send(f"{kind} {streams} {port}")
-                    times[kind].append(tx.read()["seconds"])
-                    rx.read()
+                    sent = tx.read()
+                    times[kind].append(sent["seconds"])
+                    cpus[kind].append(sent["cpu"] + rx.read()["cpu"])
             for kind in kinds:
                 result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times[kind]) / 1e9, 3)
+                result[f"{kind}_s{streams}_cpu_s_per_gb"] = round(statistics.median(cpus[kind]) / total * 1e9, 3)
             result[f"ratio_s{streams}"] = round(result[f"inplace_s{streams}_gbps"] / result[f"raw_s{streams}_gbps"], 3)
+            result[f"cpu_ratio_s{streams}"] = round(result[f"raw_s{streams}_cpu_s_per_gb"]
+                                                    / result[f"inplace_s{streams}_cpu_s_per_gb"], 3)
     finally:
         tx.close()
         rx.close()
     top = max(int(s) for s in args.streams.split(","))
     result["ratio"] = result[f"ratio_s{top}"]
+    result["cpu_ratio"] = result[f"cpu_ratio_s{top}"]
     return result
 
 

@@ -17,7 +17,7 @@ VERSION = 1
 _FRAME = struct.Struct("!QI")  # length, crc32c of the body
 CHUNK = struct.Struct("!IQI")  # item index, offset in item, length; the payload follows
 TRAILER = struct.Struct("!I")  # crc32c of the payload, after it
-PIECE = 256 << 10  # checksummed while cache-hot: right before it is sent, right after it arrives
+PIECE = 1 << 20  # checksummed while cache-hot (fits L2): right before it is sent, right after it arrives
 _STATUS = struct.Struct("!BI")  # ok flag, message length
 
 MAX_FRAME = 1 << 30
