@@ -111,6 +111,7 @@ class Reservation:
     name: str
     nodes: tuple[str, ...] = ()
     state: str = ""
+    users: tuple[str, ...] = ()  # users allowed to run in it (empty: given by accounts instead)
 
     @property
     def active(self) -> bool:

@@ -81,7 +81,14 @@ def reservation(raw: Mapping[str, Any], now: float | None = None) -> Reservation
         name=_text(raw.get("name")),
         nodes=tuple(hostlist.expand(_text(raw.get("node_list")))),
         state="ACTIVE" if start <= now and (end == 0 or now < end) else "INACTIVE",
+        users=_names(raw.get("users")),
     )
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A user list: "root,alice" (v0.0.38) or ["root", "alice"]."""
+    items = value if isinstance(value, list) else _text(value).split(",")
+    return tuple(str(v).strip() for v in items if str(v).strip())
 
 
 def nodes(doc: Mapping[str, Any]) -> dict[str, Node]:

@@ -1,16 +1,17 @@
-"""Changing a running job's nodes and launching work on them: grow a job by a spare
-(``salloc --no-shell --dependency=expand:J`` as the job's user, then merge the helper with
-``scontrol update jobid=HELPER NumNodes=0``), start a step on one node (``srun --no-kill
---overlap --torchpass``), release a node (``NodeList=``; never the batch host), list hot spares.
+"""Changing a running job's nodes and launching work on them: grow a job by a spare (a helper
+``salloc --no-shell --dependency=expand:J`` as the job's user, let into the spare reservation for
+that moment, merged by ``scontrol update jobid=HELPER NumNodes=0``), start a step on one node
+(``srun --no-kill --overlap --torchpass``), release a node (never the batch host), hot spares.
 Needs SchedulerParameters=permit_job_expansion, and slurmdbd for repeated shrinks."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from slurm_plugin import hostlist
 from slurm_plugin.client import SlurmClient
@@ -65,7 +66,8 @@ class JobResizer:
             argv.append(f"--partition={job.partition}")
         t0 = time.monotonic()
         try:
-            out = self.runner.run(argv, user=job.user, with_stderr=True, **where)
+            with self._reservation_access(job.user, where):
+                out = self.runner.run(argv, user=job.user, with_stderr=True, **where)
         except SlurmError:
             self._cancel_helpers(name, job.user)
             raise
@@ -84,6 +86,29 @@ class JobResizer:
         log.get(job=job_id).info("slurm.job_grown", node=node, helper=helper,
                                  seconds=round(time.monotonic() - t0, 3), nodes=hostlist.compress(job.nodes))
         return job
+
+    @contextlib.contextmanager
+    def _reservation_access(self, user: str, where: dict[str, object]) -> Iterator[None]:
+        """Let ``user`` allocate in the spare reservation for the helper allocation (the helper
+        must belong to the job's user, and spare reservations are normally root-only)."""
+        resv = self.client.reservations().get(self.spare_reservation)
+        if resv is None:
+            raise SlurmError(f"spare reservation {self.spare_reservation!r} does not exist",
+                             hint=f"scontrol create reservation reservationname={self.spare_reservation} "
+                                  "nodes=... users=root starttime=now duration=infinite flags=ignore_jobs",
+                             **where)
+        if user == "root" or user in resv.users or not resv.users:
+            yield
+            return
+        update = ["scontrol", "update", f"reservationname={self.spare_reservation}"]
+        self.runner.run([*update, f"Users+={user}"], **where)
+        try:
+            yield
+        finally:
+            try:
+                self.runner.run([*update, f"Users-={user}"], **where)
+            except SlurmError as exc:
+                log.get(**where).warning("slurm.reservation_revoke_failed", user=user, error=str(exc))
 
     def _cancel_helpers(self, name: str, user: str) -> None:
         try:

@@ -60,5 +60,6 @@ class CommandClient(SlurmClient):
                     name=rec["ReservationName"],
                     nodes=tuple(hostlist.expand(nodes if nodes != "(null)" else "")),
                     state=rec.get("State", ""),
+                    users=tuple(u for u in rec.get("Users", "").split(",") if u and u != "(null)"),
                 )
         return out

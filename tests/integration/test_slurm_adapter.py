@@ -118,8 +118,8 @@ def wait_event(watcher: Watcher, match: Callable[[ev.SlurmEvent], bool], timeout
     raise AssertionError(f"no matching event within {timeout} s")
 
 
-def start_job(cluster: DevCluster, conf: str, nodes: str, body: str = "srun sleep 600\n") -> int:
-    job, _ = submit(cluster, conf, body, "--torchpass", f"-N{len(nodes.split(','))}", "-w", nodes)
+def start_job(cluster: DevCluster, conf: str, nodes: str, body: str = "srun sleep 600\n", user: str = "") -> int:
+    job, _ = submit(cluster, conf, body, "--torchpass", f"-N{len(nodes.split(','))}", "-w", nodes, user=user)
     cluster.wait_job_state(job, "RUNNING")
     return int(job)
 
@@ -223,7 +223,7 @@ def test_job_grows_by_two_spares_in_a_row_and_runs_tasks_there(devcluster: DevCl
                                                                 client: SlurmClient) -> None:
     devcluster.reset()
     devcluster.run("scontrol", "update", f"reservationname={RESV}", "nodes=n4,n5")
-    job = start_job(devcluster, torchpass_conf, "n1,n2")
+    job = start_job(devcluster, torchpass_conf, "n1,n2", user="nobody")  # a user's job; we are root
     resizer = JobResizer(runner_for(SlurmConfig(slurm_conf=devcluster.slurm_conf)), client,
                          spare_reservation=RESV)
     pool = SparePool(client, RESV)
@@ -232,14 +232,15 @@ def test_job_grows_by_two_spares_in_a_row_and_runs_tasks_there(devcluster: DevCl
         node = resizer.add_spare(job, pool)
         grow = time.monotonic() - t0
         assert node == expected
-        step = resizer.start_step(job, node, ["bash", "-c", 'echo "$(hostname) $SLURM_JOB_ID $TORCHPASS"'],
+        step = resizer.start_step(job, node, ["bash", "-c", 'echo "$(id -un) $(hostname) $SLURM_JOB_ID $TORCHPASS"'],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = step.communicate(timeout=30)
         assert step.returncode == 0, err
-        assert out.split() == [node, str(job), "auto"]
+        assert out.split() == ["nobody", node, str(job), "auto"]
         print(f"grew job {job} by {node} in {grow:.2f} s")
     assert client.job(job).nodes == ("n1", "n2", "n4", "n5")
     assert devcluster.job_record(str(job))["JobState"] == "RUNNING"
+    assert client.reservations()[RESV].users == ("root",)  # the user was let in only for the helper
     with pytest.raises(SlurmError, match="no usable spare"):
         resizer.add_spare(job, pool)
     with pytest.raises(SlurmError, match=r"`salloc .*-w n3 .*` failed \(rc=1\): salloc: error: ") as refused:

@@ -5,8 +5,11 @@ TorchPass job survives one of its nodes going down."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,28 +26,33 @@ SHIM = str(ROOT / "spank" / "shim")
 
 
 @pytest.fixture(scope="session")
-def torchpass_conf(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+def torchpass_conf(devcluster: DevCluster) -> Iterator[str]:
     """A client slurm.conf for the cluster with spank/cli_filter.lua enabled, as a site installs
-    it (cli_filter runs in sbatch/salloc/srun, so only the clients need it). Builds the plugin."""
+    it (cli_filter runs in sbatch/salloc/srun, so only the clients need it). Builds the plugin.
+    It lives in the cluster's jobs dir: job users other than root must be able to read it."""
     subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)
     conf = Path(devcluster.slurm_conf)
     if "CliFilterPlugins=cli_filter/lua" in conf.read_text():
-        return str(conf)
-    d = tmp_path_factory.mktemp("tpconf")
+        yield str(conf)
+        return
+    d = Path(tempfile.mkdtemp(prefix="tpconf-", dir=devcluster.jobs_dir))
     d.chmod(0o755)
     (d / "slurm.conf").write_text(f"include {conf}\nCliFilterPlugins=cli_filter/lua\n")
     (d / "cli_filter.lua").symlink_to(ROOT / "spank" / "cli_filter.lua")
-    return str(d / "slurm.conf")
+    yield str(d / "slurm.conf")
+    shutil.rmtree(d, ignore_errors=True)
 
 
-def submit(cluster: DevCluster, conf: str, script: str, *args: str) -> tuple[str, Path]:
-    """sbatch ``script`` with client config ``conf``; returns the job id and its output file."""
+def submit(cluster: DevCluster, conf: str, script: str, *args: str, user: str = "") -> tuple[str, Path]:
+    """sbatch ``script`` with client config ``conf`` (as ``user``, default us); returns the job id
+    and its output file."""
     name = uuid.uuid4().hex[:8]
     path = cluster.jobs_dir / f"tp-{name}.sh"
     path.write_text("#!/bin/bash\n" + script)
     out = cluster.jobs_dir / f"tp-{name}.out"
     env = dict(cluster.slurm_env, SLURM_CONF=conf, PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}")
-    res = subprocess.run(["sbatch", "--parsable", "-o", str(out), *args, str(path)], capture_output=True,
+    as_user = ["runuser", "-u", user, "--", "env", f"SLURM_CONF={conf}"] if user else []
+    res = subprocess.run([*as_user, "sbatch", "--parsable", "-o", str(out), *args, str(path)], capture_output=True,
                          text=True, env=env, cwd=cluster.jobs_dir, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip(), out

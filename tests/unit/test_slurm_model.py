@@ -48,8 +48,10 @@ def test_24_11_job_state_list() -> None:
 
 
 def test_reservation_activity_follows_its_times() -> None:
-    raw = {"name": "torchpass_spares", "node_list": "n[4-5]", "start_time": 100, "end_time": 200}
+    raw = {"name": "torchpass_spares", "node_list": "n[4-5]", "start_time": 100, "end_time": 200,
+           "users": "root,alice"}
     assert openapi.reservation(raw, now=150).active
+    assert openapi.reservation(raw, now=150).users == ("root", "alice")
     assert not openapi.reservation(raw, now=250).active
     assert openapi.reservation(raw, now=150).nodes == ("n4", "n5")
 
