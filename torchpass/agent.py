@@ -215,7 +215,9 @@ class Agent:
                               hint="launchpad sets it when it starts a joiner")
         t0 = time.perf_counter()
         template = handover.record(self.save_fn(), 0, []) if "token" in source else None
-        rec = handover.receive(source, timeout=self.timeouts.decision, rank=self.rank, template=template)
+        incoming = handover.Incoming(source, rank=self.rank, template=template)
+        self.chan.send(ac.message(ac.READY))
+        rec = incoming.receive(self.timeouts.decision)
         meta = rec["torchpass"]
         ddp_layout.replay(group, meta["ddp"])
         self.load_fn(rec["user"])

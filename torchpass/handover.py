@@ -40,28 +40,44 @@ def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:
                       hint="launchpad and torchpass disagree on the agent channel", rank=rank)
 
 
-def receive(source: dict[str, Any], *, timeout: float, rank: int, template: Any = None) -> dict[str, Any]:
-    """Wait up to ``timeout`` s for the record described by ``source`` (the joiner's
-    TORCHPASS_JOIN_SOURCE); ``template``: a record whose tensors the wormhole may fill."""
-    if "path" in source:
-        rec = _wait_for_file(Path(source["path"]), timeout, rank)
-    elif {"listen_host", "port", "token"} <= source.keys():
-        from launchpad.wormhole import StateReceiver
+class Incoming:
+    """The joiner's end of a hand-over, described by ``source`` (TORCHPASS_JOIN_SOURCE): from
+    construction on it can take the state (a wormhole receiver is listening). ``template``: a
+    record whose tensors the wormhole fills, e.g. the joiner's own parameters."""
 
-        with StateReceiver(source["listen_host"], int(source["port"]), bytes.fromhex(source["token"]),
-                           template=template, context={"rank": rank}) as receiver:
-            rec = receiver.receive(timeout)
-    else:
-        raise WorkerError(f"join source has neither 'path' nor listen_host/port/token: {sorted(source)}",
-                          hint="check TORCHPASS_JOIN_SOURCE", rank=rank)
-    meta = rec.get("torchpass") if isinstance(rec, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise WorkerError("the received state is not a TorchPass hand-over record of format "
-                          f"{FORMAT}", hint="donor and joiner must run the same TorchPass", rank=rank)
-    return rec
+    def __init__(self, source: dict[str, Any], *, rank: int, template: Any = None) -> None:
+        self.rank = rank
+        self._path: Path | None = None
+        self._receiver: Any = None
+        if "path" in source:
+            self._path = Path(source["path"])
+        elif {"listen_host", "port", "token"} <= source.keys():
+            from launchpad.wormhole import StateReceiver
+
+            self._receiver = StateReceiver(source["listen_host"], int(source["port"]),
+                                           bytes.fromhex(source["token"]), template=template,
+                                           context={"rank": rank})
+        else:
+            raise WorkerError(f"join source has neither 'path' nor listen_host/port/token: {sorted(source)}",
+                              hint="check TORCHPASS_JOIN_SOURCE", rank=rank)
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """Wait up to ``timeout`` s for the donor's record."""
+        if self._receiver is not None:
+            with self._receiver:
+                rec = self._receiver.receive(timeout)
+        else:
+            rec = _wait_for_file(self._path, timeout, self.rank)
+        meta = rec.get("torchpass") if isinstance(rec, dict) else None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise WorkerError("the received state is not a TorchPass hand-over record of format "
+                              f"{FORMAT}", hint="donor and joiner must run the same TorchPass", rank=self.rank)
+        return rec
 
 
-def _wait_for_file(path: Path, timeout: float, rank: int) -> Any:
+def _wait_for_file(path: Path | None, timeout: float, rank: int) -> Any:
+    if path is None:
+        raise WorkerError("no hand-over source to wait for", rank=rank)
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:

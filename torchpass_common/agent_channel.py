@@ -32,6 +32,7 @@ STEP = "step"
 PAUSED = "paused"
 PAUSE_MISSED = "pause_missed"
 SAVED = "saved"
+READY = "ready"  # a joining worker is inside register() and can receive its state now
 JOINED = "joined"
 REFORMED = "reformed"
 RESUMED = "resumed"
@@ -52,6 +53,7 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     PAUSED: {"gen": int, "step": int},
     PAUSE_MISSED: {"gen": int, "step": int},
     SAVED: {"bytes": int, "seconds": _NUMBER},
+    READY: {},
     JOINED: {"step": int},
     REFORMED: {"gen": int},
     RESUMED: {"gen": int},

@@ -228,33 +228,44 @@ def test_pause_reform_resume_is_bit_identical(drivers, reference, step_sleep, ma
     assert finals == ref_finals
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("leaving", [1, 0])
-def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, leaving):
+@pytest.mark.parametrize("leaving,transport", [(1, "file"), (0, "wormhole")])
+def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, leaving, transport):
     ref_losses, ref_finals = reference
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.01"])
+    if transport == "file":
+        dest = source = {"path": str(d.tmp / "handover.pt")}
+    else:
+        token, port = os.urandom(32).hex(), free_port()
+        source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+        dest = {"host": "127.0.0.1", "port": port, "token": token}
+    # The joiner is pre-warmed: it builds its model and DDP with local collectives, alone, and
+    # says ready from register(), where it waits for the state. (Started first here so that the
+    # short run cannot end before it is ready on a busy machine.)
+    joiner_log = d.tmp / "joiner.jsonl"
+    joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
+    new = d.hellos.get(timeout=WAIT)
+    assert new.hello["joining"] and new.hello["rank"] == leaving
+    assert new.inbox.get(timeout=WAIT) == {"t": ac.READY}
     logs = [d.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
     for r in range(WORLD):
         d.start(r, logs[r])
     d.connect(WORLD)
     old = d.links[leaving]
-    # The joiner is started before the pause (pre-warmed): it builds its model with local
-    # collectives and waits in register() for the state.
-    state = d.tmp / "handover.pt"
-    joiner_log = d.tmp / "joiner.jsonl"
-    joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps({"path": str(state)})})
     d.wait_steps(3)
-    new = d.hellos.get(timeout=WAIT)
-    assert new.hello["joining"] and new.hello["rank"] == leaving
     at_step = d.pause_all(gen=2, margin=3)
 
-    d.send(leaving, ac.SAVE, dest={"path": str(state)})
-    saved = d.expect(leaving, ac.SAVED)
-    assert saved["bytes"] > 0
+    d.send(leaving, ac.SAVE, dest=dest)
+    assert d.expect(leaving, ac.SAVED)["bytes"] > 0
     assert new.inbox.get(timeout=WAIT) == {"t": ac.JOINED, "step": at_step}
     d.send(leaving, ac.EXIT)
-    leaver = d.procs[leaving]
-    assert leaver.wait(timeout=WAIT) == 0
+    assert d.procs[1 + leaving].wait(timeout=WAIT) == 0
     assert old.inbox.get(timeout=WAIT) is None  # the old worker closed its channel
     d.links[leaving] = new
     d.reform_and_resume(gen=2)

@@ -1,0 +1,101 @@
+"""The worker's agent client against a launchpad end over a real socket pair, with real torch
+optimizer steps driving the step boundary: step reports, parking at the chosen step, pause_missed,
+a failed command reported while staying parked, and resume."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from torchpass import steps
+from torchpass.agent import Agent
+from torchpass_common import agent_channel as ac
+
+
+def next_reply(chan: ac.SyncChannel) -> dict:
+    """The next message other than a step report."""
+    while True:
+        msg = chan.recv()
+        if msg is None or msg["t"] != ac.STEP:
+            return msg
+
+
+@pytest.fixture
+def setup():
+    steps.install()
+    agent_end, worker_end = socket.socketpair()
+    agent_end.settimeout(30)
+    launchpad = ac.SyncChannel(agent_end)
+    agent = Agent(ac.SyncChannel(worker_end), rank=3, local_rank=1, joining=False)
+    agent.start()
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    opt = torch.optim.SGD([param], lr=0.1)
+    yield agent, launchpad, opt
+    steps.on_boundary(None)
+    launchpad.close()
+
+
+def test_hello_and_a_step_report_per_optimizer_step(setup):
+    _, launchpad, opt = setup
+    assert launchpad.recv()["t"] == ac.HELLO
+    before = steps.current()
+    opt.step()
+    opt.step()
+    assert [launchpad.recv(), launchpad.recv()] == [{"t": "step", "step": before + 1},
+                                                    {"t": "step", "step": before + 2}]
+
+
+def test_parks_after_the_chosen_step_until_resume(setup):
+    _, launchpad, opt = setup
+    launchpad.recv()  # hello
+    at_step = steps.current() + 2
+    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=at_step))
+    trainer = threading.Thread(target=lambda: [opt.step() for _ in range(3)])
+    trainer.start()
+    assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": at_step}
+    assert trainer.is_alive()  # parked inside the optimizer step hook
+
+    launchpad.send(ac.message(ac.SAVE, dest={"path": "/nonexistent/x"}))
+    reply = next_reply(launchpad)
+    assert reply["t"] == ac.ERROR and "register" in reply["msg"]  # no save(): reported, still parked
+    assert trainer.is_alive()
+
+    launchpad.send(ac.message(ac.RESUME, gen=2))
+    assert next_reply(launchpad) == {"t": "resumed", "gen": 2}
+    trainer.join(30)
+    assert not trainer.is_alive() and steps.current() == at_step + 1
+
+
+def wait_for_command(agent: Agent) -> None:
+    """Until the agent's reader thread has taken in the command just sent."""
+    deadline = time.monotonic() + 30
+    while not agent._wake:
+        assert time.monotonic() < deadline, "the agent never received the command"
+        time.sleep(0.001)
+
+
+def test_a_pause_for_a_step_already_done_is_answered_pause_missed(setup):
+    agent, launchpad, opt = setup
+    launchpad.recv()  # hello
+    opt.step()
+    done = steps.current()
+    assert launchpad.recv() == {"t": "step", "step": done}
+    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=done - 1))
+    wait_for_command(agent)
+    opt.step()  # commands are acted on at the next boundary
+    assert next_reply(launchpad) == {"t": "pause_missed", "gen": 2, "step": done + 1}
+
+
+def test_commands_other_than_pause_and_exit_are_refused_while_running(setup):
+    agent, launchpad, opt = setup
+    launchpad.recv()  # hello
+    launchpad.send(ac.message(ac.RESUME, gen=5))
+    wait_for_command(agent)
+    opt.step()
+    reply = next_reply(launchpad)
+    assert reply["t"] == ac.ERROR and "while running" in reply["msg"]

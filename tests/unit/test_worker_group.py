@@ -1,0 +1,119 @@
+"""TorchPassGroup on real gloo (two ranks as two threads of this process, one shared store):
+every collective a script or DDP/FSDP uses is forwarded, the inner group is rebuilt for a new
+generation, and a local (joining) group answers only what DDP's constructor and rebuild need."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchpass.group import TorchPassGroup
+from torchpass_common.errors import WorkerError
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def on_both(fn):
+    """Run fn(rank) for ranks 0 and 1 at once (collectives block until both take part)."""
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn, r) for r in range(2)]]
+
+
+@pytest.fixture
+def groups():
+    store = dist.HashStore()
+    made = on_both(lambda r: TorchPassGroup("gloo", dist.PrefixStore("gen1/", store), r, 2, TIMEOUT,
+                                            local=False))
+    yield made, store
+    for g in made:
+        g.shutdown()
+
+
+def test_collectives_are_forwarded_to_the_real_backend(groups):
+    pgs, _ = groups
+
+    def work(r: int) -> dict:
+        pg, out = pgs[r], {}
+        t = torch.tensor([r + 1.0])
+        pg.allreduce([t]).wait()
+        out["allreduce"] = t.item()
+        b = torch.tensor([10.0 * (r + 1)])
+        pg.broadcast([b]).wait()
+        out["broadcast"] = b.item()
+        gathered = [[torch.zeros(1), torch.zeros(1)]]
+        pg.allgather(gathered, [torch.tensor([float(r)])]).wait()
+        out["allgather"] = [x.item() for x in gathered[0]]
+        flat = torch.zeros(2)
+        pg.all_gather_single(flat, torch.tensor([float(r)])).wait()  # dist.all_gather_into_tensor
+        out["all_gather_single"] = flat.tolist()
+        a2a = torch.zeros(2)
+        pg.alltoall_base(a2a, torch.tensor([10.0 * r, 10.0 * r + 1]), [], []).wait()
+        out["alltoall_base"] = a2a.tolist()
+        shard = torch.zeros(1)
+        pg.reduce_scatter_single(shard, torch.tensor([1.0, 2.0]) * (r + 1)).wait()  # FSDP's reduce-scatter
+        out["reduce_scatter_single"] = shard.item()
+        pair = [torch.tensor([1.0]), torch.tensor([2.0])]
+        pg.allreduce_coalesced(pair).wait()
+        out["allreduce_coalesced"] = [x.item() for x in pair]
+        pg.barrier().wait()
+        msg = torch.tensor([7.0]) if r == 0 else torch.zeros(1)
+        (pg.send([msg], 1, 0) if r == 0 else pg.recv([msg], 0, 0)).wait()
+        out["p2p"] = msg.item()
+        return out
+
+    r0, r1 = on_both(work)
+    assert r0.pop("alltoall_base") == [0.0, 10.0] and r1.pop("alltoall_base") == [1.0, 11.0]
+    assert r0.pop("reduce_scatter_single") == 3.0 and r1.pop("reduce_scatter_single") == 6.0
+    assert r0 == r1 == {"allreduce": 3.0, "broadcast": 10.0, "allgather": [0.0, 1.0],
+                        "all_gather_single": [0.0, 1.0], "allreduce_coalesced": [2.0, 4.0], "p2p": 7.0}
+    assert pgs[0].getBackendName() == "torchpass" and pgs[0].gen == 1
+
+
+def test_reconfigure_builds_a_new_generation_in_the_same_object(groups):
+    pgs, store = groups
+
+    def reform(r: int) -> float:
+        pgs[r].reconfigure(2, r, 2, store, "gen2/")
+        t = torch.tensor([r + 1.0])
+        pgs[r].allreduce([t]).wait()
+        return t.item()
+
+    assert on_both(reform) == [3.0, 3.0]
+    assert [pg.gen for pg in pgs] == [2, 2]
+
+
+def test_reconfigure_refuses_to_change_rank_or_world_size(groups):
+    pgs, store = groups
+    with pytest.raises(WorkerError, match="keeps its rank and world size"):
+        pgs[0].reconfigure(2, 1, 2, store, "gen2/")
+    with pytest.raises(WorkerError, match="rank 0 of 3"):
+        pgs[0].reconfigure(2, 0, 3, store, "gen2/")
+    assert pgs[0].gen == 1
+
+
+def test_a_local_group_answers_ddp_construction_collectives_alone():
+    pg = TorchPassGroup("gloo", None, 1, 2, TIMEOUT, local=True)
+    assert pg.local and pg.gen == 0
+    t = torch.tensor([5.0])
+    pg.broadcast([t]).wait()
+    assert t.item() == 5.0  # keeps its own values: load() overwrites them anyway
+    outs = [[torch.zeros(2), torch.zeros(2)]]
+    pg.allgather(outs, [torch.tensor([1.0, 2.0])]).wait()
+    assert [o.tolist() for o in outs[0]] == [[1.0, 2.0], [1.0, 2.0]]
+    pg.barrier().wait()
+
+    indices, sizes = torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with pg.answering_broadcasts([torch.tensor([2, 1, 0, 2], dtype=torch.int32),
+                                  torch.tensor([2, 1], dtype=torch.int32)]):
+        pg.broadcast([indices]).wait()
+        pg.broadcast([sizes]).wait()
+    assert indices.tolist() == [2, 1, 0, 2] and sizes.tolist() == [2, 1]
+
+    with pytest.raises(WorkerError, match="not consumed"), pg.answering_broadcasts([torch.zeros(1)]):
+        pass
+    with pytest.raises(WorkerError, match="before torchpass.register"):
+        pg.allreduce([t])
