@@ -5,6 +5,7 @@ restarted, cut and healed, `up` is idempotent, and `down` leaves nothing behind.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,15 @@ def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(dev
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert f"tpbr{second.id}" not in links and f"tpv{second.id}n" not in links
     assert devcluster.info["up"]  # the first instance did not notice
+
+
+def test_up_refuses_a_port_another_program_holds_and_starts_nothing(devcluster: DevCluster) -> None:
+    second = DevCluster((devcluster.id + 5) % 10, nodes=2, spares=0)
+    port = 20000 + 100 * second.id + 17  # the second instance's slurmctld port
+    with socket.create_server(("0.0.0.0", port)):
+        res = second.tool("up", "--nodes", "2", check=False)
+    assert res.returncode == 1
+    assert f"port {port} (slurmctld) is in use" in res.stderr
+    assert marked_processes(second.id) == []
+    assert f"tpbr{second.id}" not in subprocess.run(["ip", "-o", "link", "show"], capture_output=True,
+                                                     text=True).stdout

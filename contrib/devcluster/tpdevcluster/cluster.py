@@ -52,6 +52,7 @@ def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
         say("tearing down the previous instance first")
         down(inst, say)
     say(f"Debian {host.debian}, Slurm {host.slurm_release}, plugins in {host.plugin_dir}")
+    daemons.check_ports_free(want)
     fresh_state_dir(want)
     try:
         start(want, host, say)

@@ -18,6 +18,7 @@ from .hostinfo import tool
 from .instance import Instance
 
 DAEMON_TIMEOUT = 30.0
+HOST_SERVICES = ("mariadb", "slurmdbd", "slurmctld", "mosquitto")  # slurmd listens inside the nodes
 TEMPLATE_CACHE = Path("/tmp/tpdc-cache")
 # Small and not durable: the accounting database lives as long as the dev cluster.
 MARIADB_OPTS = ["--innodb-log-file-size=8M", "--innodb-buffer-pool-size=32M",
@@ -30,6 +31,20 @@ def tcp_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def check_ports_free(inst: Instance) -> None:
+    """Fail before starting anything if a port of the instance is taken by another program."""
+    for service in HOST_SERVICES:
+        port = inst.port(service)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                raise DevClusterError(f"port {port} ({service}) is in use by another program: {exc.strerror}",
+                                      instance=inst.id, hint="stop that program or choose another "
+                                      "TORCHPASS_DEVCLUSTER_ID") from exc
 
 
 def start_munge(inst: Instance) -> None:

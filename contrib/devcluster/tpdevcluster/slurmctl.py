@@ -27,7 +27,11 @@ def run(inst: Instance, *argv: str, check: bool = True, timeout: float = 20) -> 
 
 
 def ping(inst: Instance) -> bool:
-    return "is UP" in run(inst, "scontrol", "ping", check=False, timeout=5)
+    """True if slurmctld answers; a controller too busy to answer in 5 s counts as not up."""
+    try:
+        return "is UP" in run(inst, "scontrol", "ping", check=False, timeout=5)
+    except DevClusterError:
+        return False
 
 
 def node_states(inst: Instance) -> dict[str, str]:
