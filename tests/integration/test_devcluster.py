@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.devcluster import ID_ENV, DevCluster
+from tests.support.devcluster import DevCluster, instance_id_from_env
 
 pytestmark = pytest.mark.slurm
 
@@ -143,7 +143,7 @@ def test_up_again_is_a_no_op_that_keeps_every_daemon(devcluster: DevCluster) -> 
 
 def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(devcluster: DevCluster) -> None:
     second = DevCluster((devcluster.id + 5) % 10, nodes=3, spares=1)
-    assert int(os.environ.get(ID_ENV, "0")) != second.id
+    assert instance_id_from_env() != second.id
     second.up()
     try:
         info = second.info

@@ -29,6 +29,11 @@ FINAL_JOB_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", 
                     "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
+def instance_id_from_env() -> int:
+    """The instance this session uses: $TORCHPASS_DEVCLUSTER_ID, default 0."""
+    return int(os.environ.get(ID_ENV, "0"))
+
+
 class DevCluster:
     """One dev cluster instance, driven through the devcluster tool and the Slurm clients."""
 
@@ -37,12 +42,8 @@ class DevCluster:
         self.nodes = nodes
         self.spares = spares
         self.env = dict(os.environ, **{ID_ENV: str(instance_id)})
-        if instance_id != self._env_id():  # a second instance never shares the first one's directory
+        if instance_id != instance_id_from_env():  # a second instance never shares the first one's directory
             self.env.pop(DIR_ENV, None)
-
-    @staticmethod
-    def _env_id() -> int:
-        return int(os.environ.get(ID_ENV, "0"))
 
     # ---- the devcluster tool ---------------------------------------------------------------
     def tool(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -176,7 +177,7 @@ def devcluster() -> Iterator[DevCluster]:
     """The session's dev cluster: 5 nodes, 1 spare; tests call .reset() at their start."""
     if os.geteuid() != 0:
         pytest.skip("the dev cluster needs root (network namespaces, private Slurm daemons)")
-    cluster = DevCluster(DevCluster._env_id())
+    cluster = DevCluster(instance_id_from_env())
     cluster.up()
     yield cluster
     if os.environ.get(KEEP_ENV) != "1":
