@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import cluster, netns, procs
+from . import cluster, hostinfo, netns, procs
 from .errors import DevClusterError
 from .instance import DIR_ENV, ID_ENV, Instance
 
@@ -100,6 +100,8 @@ def _exclusive(inst: Instance, say: cluster.Say) -> Iterator[Instance]:
 def run(args: argparse.Namespace) -> int:
     inst = Instance.from_env()
     say = _sayer(inst.id)
+    if args.cmd in MUTATING or args.cmd == "exec":
+        hostinfo.require_root()
     if args.cmd in MUTATING:
         with _exclusive(inst, say) as locked:
             return _mutate(args, locked, say)
@@ -136,10 +138,15 @@ def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "up" and not 1 <= args.nodes <= cluster.MAX_NODES:
+        parser.error(f"--nodes must be between 1 and {cluster.MAX_NODES}, got {args.nodes}")
+    if args.cmd == "up" and not 0 <= args.spares < args.nodes:
+        parser.error(f"--spares must be between 0 and {args.nodes - 1} (nodes - 1), got {args.spares}")
     try:
         return run(args)
-    except DevClusterError as exc:
+    except (DevClusterError, OSError) as exc:
         print(f"devcluster: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

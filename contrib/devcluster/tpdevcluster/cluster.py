@@ -38,10 +38,6 @@ def healthy(inst: Instance) -> bool:
 def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
     """Bring the instance up with ``nodes`` nodes, the last ``spares`` reserved as spares.
     A healthy instance of the same shape is left running (only its reservation is restored)."""
-    if not 1 <= nodes <= MAX_NODES:
-        raise DevClusterError(f"--nodes must be between 1 and {MAX_NODES}, got {nodes}")
-    if not 0 <= spares < nodes:
-        raise DevClusterError(f"--spares must be between 0 and {nodes - 1} (nodes - 1), got {spares}")
     host = hostinfo.detect()
     want = inst.with_shape(nodes, spares)
     if (inst.nodes, inst.spares) == (nodes, spares) and healthy(inst):

@@ -76,11 +76,15 @@ def plugin_dir() -> str:
                           + ", ".join(patterns) + ")", hint=INSTALL_HINT)
 
 
-def detect() -> HostInfo:
-    """Check the prerequisites and describe the host; raises DevClusterError on what is missing."""
+def require_root() -> None:
     if os.geteuid() != 0:
         raise DevClusterError("the dev cluster needs root (network namespaces, bridges, daemons)",
                               hint="run it as root, e.g. sudo contrib/devcluster/devcluster up")
+
+
+def detect() -> HostInfo:
+    """Check the prerequisites and describe the host; raises DevClusterError on what is missing."""
+    require_root()
     for name in REQUIRED_TOOLS:
         tool(name)
     try:
