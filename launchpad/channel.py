@@ -32,12 +32,14 @@ class WorkerLink:
     chan: ac.AsyncChannel
     step: int = 0
     state: str = "running"
+    connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
 
 
 class ChannelServer:
-    """Listens at ``path``; ``links`` maps each worker's pid to its WorkerLink once it said hello."""
+    """Listens at ``path``; ``links`` maps each worker's pid to its WorkerLink once it said hello
+    (kept after the worker disconnects, with ``connected`` False)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -73,9 +75,8 @@ class ChannelServer:
         except (ProtocolError, ConnectionError) as exc:
             self._log.warning("channel.dropped", rank=link.rank if link else None, error=str(exc))
         finally:
-            if link is not None and self.links.get(link.pid) is link:
-                del self.links[link.pid]
-                link.state = "gone"
+            if link is not None:  # kept, so heartbeats still show its last step
+                link.connected = False
             await chan.close()
 
     def _on_message(self, link: WorkerLink, msg: dict[str, Any]) -> None:
@@ -118,7 +119,7 @@ class ChannelServer:
             self._log.debug("channel.unexpected_reply", rank=link.rank, want=msg["t"], got=reply)
 
     async def _next_reply(self, link: WorkerLink) -> dict[str, Any]:
-        while self.links.get(link.pid) is link:
+        while link.connected:
             with contextlib.suppress(TimeoutError):
                 return await asyncio.wait_for(link.replies.get(), 0.2)
         if not link.replies.empty():

@@ -56,12 +56,15 @@ class Commands:
             if w.returncode is not None:
                 continue
             link = links.get(w.pid)
-            if link is None:
+            if link is None or not link.connected:
                 raise WorkerError("worker has not connected to the agent channel", rank=w.rank, pid=w.pid,
                                   node=self.agent.node,
                                   hint="it has not imported torchpass yet, or runs without the bootstrap")
             if include_joiners or not link.joining:
                 result.append(link)
+        if not result:
+            raise WorkerError("no running workers on this node", node=self.agent.node,
+                              hint="training has ended or not started")
         return result
 
     async def _all(self, links: list[WorkerLink], make: Callable[[WorkerLink], dict[str, Any]],
@@ -89,9 +92,9 @@ class Commands:
         rank, dest = _int_arg(args, "rank"), args.get("dest")
         if not isinstance(dest, dict):
             raise ProtocolError("save needs a 'dest' map ({'path': ...} or {'host', 'port', 'token'})")
-        link = next((lk for lk in self._links() if lk.rank == rank), None)
+        link = next((lk for lk in self._links(include_joiners=False) if lk.rank == rank), None)
         if link is None:
-            raise WorkerError("no such rank on this node", rank=rank, node=self.agent.node)
+            raise WorkerError("no running (non-joining) worker has this rank here", rank=rank, node=self.agent.node)
         reply = await self.agent.channel.request(link, ac.message(ac.SAVE, dest=dest),
                                                  lambda r: r["t"] == ac.SAVED, self.agent.timeouts.reform)
         return {"bytes": reply["bytes"], "seconds": reply["seconds"]}
@@ -144,7 +147,7 @@ class Commands:
             if group is not None and (w := group.workers.get(pid)) is not None:
                 await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
                 stopped.append(w.rank)
-        paused = [lk for lk in self.agent.channel.links.values() if lk.state == "paused" and not lk.joining]
+        paused = [lk for lk in self.agent.channel.links.values() if lk.state == "paused" and lk.connected and not lk.joining]
         if paused:
             cur = self.agent.gen
             await self._all(paused, lambda _: ac.message(ac.RESUME, gen=cur),
@@ -152,7 +155,21 @@ class Commands:
         return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused)}
 
     async def exit(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Ask every worker to exit cleanly (its exit code decides launchpad's)."""
+        """Ask workers to exit cleanly: every worker, or with ``rank`` only the (non-joining)
+        worker leaving as that rank. Acked once they have exited."""
         links = self._links()
+        if "rank" in args:
+            rank = _int_arg(args, "rank")
+            links = [lk for lk in links if lk.rank == rank and not lk.joining]
+            if not links:
+                raise WorkerError("no running (non-joining) worker has this rank here", rank=rank,
+                                  node=self.agent.node)
         await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in links))
-        return {"ranks": sorted(lk.rank for lk in links)}
+        group = self.agent.group
+        leaving = [w for lk in links if group is not None and (w := group.workers.get(lk.pid)) is not None]
+        try:
+            codes = await asyncio.wait_for(asyncio.gather(*(w.wait() for w in leaving)), self.agent.timeouts.step)
+        except TimeoutError:
+            raise WorkerError(f"workers did not exit within {self.agent.timeouts.step:.0f} s of the exit command",
+                              node=self.agent.node, hint="they may be hung; abort stops them") from None
+        return {"ranks": sorted(lk.rank for lk in links), "exit_codes": list(codes)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,10 @@ class Orchestrator:
         async with self._changed:
             return await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
 
-    def steps(self) -> list[int]:
-        return [w["step"] for w in self.heartbeats[-1].body["workers"]] if self.heartbeats else []
+    def steps(self, *, running: bool = False) -> list[int]:
+        """Each worker's step in the last heartbeat (only running workers' if ``running``)."""
+        workers = self.heartbeats[-1].body["workers"] if self.heartbeats else []
+        return [w["step"] for w in workers if not running or w["state"] != "exited"]
 
     async def send(self, cmd: str, args: dict[str, Any], *, gen: int, migration: str = "m1",
                    payload: bytes | None = None) -> str:
@@ -89,23 +91,32 @@ async def orchestrator(broker: Mosquitto) -> AsyncIterator[Orchestrator]:
             task.cancel()
 
 
-def start_launchpad(procs: Procs, tmp_path: Path, broker: Mosquitto, steps: int, pace: float) -> Any:
+def start_launchpad(procs: Procs, tmp_path: Path, broker: Mosquitto, steps: int, pace: float,
+                    script_text: str = lt.TRAIN_SCRIPT) -> Any:
     config = tmp_path / "torchpass.toml"
     config.write_text(f"[broker]\nhost = '{broker.host}'\nport = {broker.port}\nkeepalive = 2\n"
                       f"[timeouts]\nheartbeat_interval = {HB_INTERVAL}\n")
     out = tmp_path / "out"
     out.mkdir()
-    script = write_script(tmp_path)
+    script = write_script(tmp_path, script_text)
     proc = procs.start(launchpad_argv("--standalone", "--nproc-per-node=2", "--job", JOB, "--node", NODE,
                                       str(script), str(out), str(steps), str(pace)),
-                       env={"TORCHPASS_CONFIG": str(config)})
+                       env={"TORCHPASS_CONFIG": str(config)}, log=tmp_path / "launchpad.log")
     return proc, out
 
 
-async def wait_exit(proc: Any, timeout: float = 120.0) -> tuple[str, str]:
-    out, err = await asyncio.to_thread(proc.communicate, timeout=timeout)
-    assert proc.returncode == 0, err[-4000:]
-    return out, err
+async def wait_exit(proc: Any, timeout: float = 120.0) -> None:
+    await asyncio.to_thread(proc.wait, timeout)
+    assert proc.returncode == 0, f"launchpad exited {proc.returncode}"
+
+
+@pytest.fixture(autouse=True)
+def _show_launchpad_log_on_failure(tmp_path: Path) -> Iterator[None]:
+    """The agent's and workers' output is the first thing to read when a test here fails."""
+    yield
+    log = tmp_path / "launchpad.log"
+    if log.exists():
+        print(f"---- {log} (tail) ----\n{log.read_text()[-6000:]}")
 
 
 async def pause_somewhere_ahead(orch: Orchestrator, ahead: int) -> tuple[int, int]:
@@ -141,6 +152,37 @@ def test_pause_reform_resume_is_bit_identical(procs: Procs, tmp_path: Path, mosq
             await orch.until(lambda: orch.heartbeats[-1].gen == 2 and min(orch.steps()) > at)
             await wait_exit(proc)
             assert_same_training(results(out, 2), torchrun_reference(2, steps))
+
+    asyncio.run(drive())
+
+
+def test_a_new_process_takes_over_a_rank_bit_identically(procs: Procs, tmp_path: Path, mosquitto: Mosquitto,
+                                                         torchrun_reference: TorchrunReference) -> None:
+    """The local migration flow: start a joiner for rank 1, pause, the old rank 1 saves its state to
+    a file, exits; rank 0 and the joiner re-form as generation 2 and resume."""
+    steps, handover = 300, tmp_path / "rank1.state"
+
+    async def drive() -> None:
+        async with orchestrator(mosquitto) as orch:
+            proc, out = start_launchpad(procs, tmp_path, mosquitto, steps, 0.02, lt.HANDOVER_SCRIPT)
+            await orch.until(lambda: orch.steps() and min(orch.steps()) >= 3)
+            ack = await orch.command("start_joiner", {"rank": 1, "source": {"path": str(handover)}}, gen=2)
+            assert ack.body["ok"], ack.body["error"]
+            joiner = ack.body["result"]["pid"]
+            at, _ = await pause_somewhere_ahead(orch, 5)
+            for cmd, args in (("save", {"rank": 1, "dest": {"path": str(handover)}}), ("exit", {"rank": 1}),
+                              ("reform", {}), ("resume", {})):
+                ack = await orch.command(cmd, args, gen=2)
+                assert ack.body["ok"], f"{cmd}: {ack.body['error']}"
+            await orch.until(lambda: orch.steps(running=True) and min(orch.steps(running=True)) > at)
+            workers = orch.heartbeats[-1].body["workers"]
+            assert sorted((w["rank"], w["pid"] == joiner) for w in workers if w["state"] != "exited") == [
+                (0, False), (1, True)]
+            assert [(w["rank"], w["step"], w["exit_code"]) for w in workers if w["state"] == "exited"] == [(1, at, 0)]
+            await wait_exit(proc)
+            got = results(out, 2)
+            assert got[1]["env"]["TORCHPASS_JOIN"] == "1"  # rank 1's results come from the new process
+            assert_same_training(got, torchrun_reference(2, steps))
 
     asyncio.run(drive())
 

@@ -23,8 +23,9 @@ RUN_TIMEOUT = 120
 
 # A DDP script written the way torchrun users write them. Per step it draws its own batch from a
 # seed (so pausing cannot shift the data) and records the loss; at the end every rank writes its
-# losses and parameters. argv: OUT_DIR STEPS [SECONDS_PER_STEP]
-TRAIN_SCRIPT = '''
+# losses and parameters. argv: OUT_DIR STEPS [SECONDS_PER_STEP]. HANDOVER_SCRIPT is the same script
+# with torchpass.register() where a checkpoint would be loaded, so a new process can take a rank over.
+_SCRIPT = '''
 import json, os, sys, time
 import torch
 import torch.distributed as dist
@@ -37,25 +38,40 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-losses = []
-for step in range(steps):
-    g = torch.Generator().manual_seed(1000 * step + rank)
+progress = {"step": 0, "losses": []}
+
+
+def save():
+    return {"model": model.state_dict(), "opt": opt.state_dict(), **progress, "losses": list(progress["losses"])}
+
+
+def load(state):
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    progress.update(step=state["step"], losses=state["losses"])
+#REGISTER
+while progress["step"] < steps:
+    g = torch.Generator().manual_seed(1000 * progress["step"] + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
     opt.step()
-    losses.append(loss.item())
+    progress["losses"].append(loss.item())
+    progress["step"] += 1
     if pace:
         time.sleep(pace)
 env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                       "ROLE_RANK", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")}
+                                       "ROLE_RANK", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS",
+                                       "TORCHPASS_JOIN")}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"losses": losses, "params": [p.detach().flatten().tolist() for p in model.parameters()],
+    json.dump({"losses": progress["losses"], "params": [p.detach().flatten().tolist() for p in model.parameters()],
                "env": env}, f)
 print(f"rank {rank} finished {steps} steps", flush=True)
 dist.destroy_process_group()
 '''
+TRAIN_SCRIPT = _SCRIPT.replace("#REGISTER", "")
+HANDOVER_SCRIPT = _SCRIPT.replace("#REGISTER", "import torchpass\ntorchpass.register(save=save, load=load)")
 
 
 def free_port() -> int:
@@ -80,9 +96,14 @@ class Procs:
     def __init__(self) -> None:
         self.started: list[subprocess.Popen[str]] = []
 
-    def start(self, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kw)
+    def start(self, argv: list[str], env: dict[str, str] | None = None,
+              log: Path | None = None) -> subprocess.Popen[str]:
+        """Start ``argv``; its output is piped, or appended to ``log`` (both streams) if given."""
+        out = open(log, "a") if log else subprocess.PIPE  # noqa: SIM115 - the child holds it
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, stdout=out,
+                                stderr=subprocess.STDOUT if log else subprocess.PIPE, start_new_session=True)
+        if log:
+            out.close()
         self.started.append(proc)
         return proc
 
