@@ -1,0 +1,124 @@
+"""criu dump and criu restore of one worker's process tree, each timed on its own. A dump leaves the
+tasks stopped (not killed), so the caller decides: kill them once the restore elsewhere succeeded
+(`discard_original`), or let them go on (`resume_original`) when the dump or restore failed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from criu_hooks import actions, locate
+from criu_hooks.errors import CriuFailed
+from torchpass_common import log
+
+# Printed by every criu run that is not allowed to raise its own RLIMIT_NOFILE; harmless.
+_HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    images: Path
+    seconds: float  # criu dump wall time
+    frozen_seconds: float | None  # pre-dump .. post-dump action, the tasks' frozen time
+    image_bytes: int
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int  # the restored root task, as seen from the caller's PID namespace
+    seconds: float  # criu restore wall time, until the tasks run again
+
+
+def dump(pid: int, images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
+         where: dict[str, object] | None = None) -> DumpResult:
+    """Dump the process tree rooted at ``pid`` (a session leader; a PID-namespace init for a
+    cross-node restore) into ``images`` and leave it stopped. ``tcp_close``: connected TCP sockets
+    are not dumped and come back closed (criu 4.2+). Raises CriuFailed; the tree then runs on."""
+    where = where or {}
+    images.mkdir(parents=True, exist_ok=True)
+    argv = ["dump", "-t", str(pid), "-D", str(images), "--leave-stopped"]
+    if tcp_close:
+        argv.append("--tcp-close")
+    seconds, timeline = _run("dump", argv, images, timeout=timeout, where=where)
+    size = sum(f.stat().st_size for f in images.iterdir() if f.is_file() and f.suffix == ".img")
+    result = DumpResult(images, seconds, actions.span(timeline, "pre-dump", "post-dump"), size)
+    log.get(**where).info("criu.dumped", pid=pid, seconds=round(seconds, 4), image_bytes=size,
+                          frozen_seconds=result.frozen_seconds)
+    return result
+
+
+def restore(images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
+            enter: Sequence[str] = (), where: dict[str, object] | None = None) -> RestoreResult:
+    """Restore the tree dumped in ``images``, detached: its root is re-parented to the caller's
+    nearest child subreaper (launchpad makes itself one, see `become_subreaper`). ``enter`` is a
+    command prefix that puts criu into the target node's namespaces (e.g. nsenter --net=...).
+    Raises CriuFailed; nothing of the tree is left running then."""
+    where = where or {}
+    pidfile = images / "restored.pid"
+    pidfile.unlink(missing_ok=True)
+    argv = ["restore", "-D", str(images), "--restore-detached", "--pidfile", str(pidfile)]
+    if tcp_close:
+        argv.append("--tcp-close")
+    seconds, _ = _run("restore", argv, images, timeout=timeout, where=where, enter=enter)
+    pid = int(pidfile.read_text().strip())
+    log.get(**where).info("criu.restored", pid=pid, seconds=round(seconds, 4))
+    return RestoreResult(pid, seconds)
+
+
+def resume_original(pid: int) -> None:
+    """Let a tree left stopped by `dump` go on (the migration was abandoned)."""
+    os.kill(pid, signal.SIGCONT)
+
+
+def discard_original(pid: int) -> None:
+    """Kill a tree left stopped by `dump` once its restored copy runs elsewhere."""
+    os.kill(pid, signal.SIGKILL)
+
+
+def become_subreaper() -> None:
+    """Make this process adopt orphaned descendants (PR_SET_CHILD_SUBREAPER), so that it can wait
+    for the restored worker trees criu leaves behind."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # 36 = PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _run(verb: str, argv: list[str], images: Path, *, timeout: float, where: dict[str, object],
+         enter: Sequence[str] = ()) -> tuple[float, dict[str, float]]:
+    criu = locate.find()
+    logfile = images / f"{verb}.log"
+    timeline = images / f"{verb}.timeline"
+    timeline.unlink(missing_ok=True)
+    script = actions.install(images)
+    cmd = [*enter, criu.path, *argv, "-o", str(logfile), "-v4", "--action-script", str(script)]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=actions.env_for(timeline))
+    except subprocess.TimeoutExpired as e:
+        raise CriuFailed(f"criu {verb} did not finish within {timeout:.0f} s", hint=f"see {logfile}",
+                         **where) from e
+    seconds = time.monotonic() - t0
+    if done.returncode != 0:
+        errors = _errors(logfile) or [done.stderr.strip() or f"exit status {done.returncode}"]
+        log.get(**where).warning(f"criu.{verb}_failed", errors=errors, log=str(logfile))
+        raise CriuFailed(f"criu {verb} failed: " + " | ".join(errors[-3:]),
+                         hint=f"the worker was left as it was; criu's log: {logfile}", **where)
+    return seconds, actions.read_timeline(timeline)
+
+
+def _errors(logfile: Path) -> list[str]:
+    """criu's "Error (file:line): ..." lines, less the harmless ones."""
+    try:
+        text = logfile.read_text(errors="replace")
+    except OSError:
+        return []
+    lines = [line.split("Error ", 1)[1].strip() for line in text.splitlines() if "Error (" in line]
+    return [line for line in lines if not _HARMLESS.search(line)]

@@ -1,0 +1,42 @@
+"""How a worker must be started so that criu can move it to another node: in its own PID namespace
+(its PIDs are free on any node), as a session leader (no controlling terminal: no --shell-job), with
+stdin from /dev/null and output to files (pipes to launchpad would be external to the dump)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from criu_hooks.errors import CriuFailed
+
+# unshare stays in the caller's PID namespace as the parent; the worker is PID 1 of the new one. No
+# --kill-child: criu restores a parent-death signal, which would then kill the restored worker.
+PREFIX = ("unshare", "--pid", "--fork", "setsid")
+
+
+def start(argv: Sequence[str], *, output: Path, env: Mapping[str, str] | None = None,
+          cwd: str | None = None) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a movable worker; stdout and stderr go (appended) to ``output``."""
+    with open(output, "ab") as out:
+        return subprocess.Popen([*PREFIX, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(env) if env is not None else None, cwd=cwd)
+
+
+def worker_pid(launcher: subprocess.Popen[bytes], *, timeout: float = 10.0) -> int:
+    """The worker's PID (as this process sees it) under a launcher from `start`: what criu dumps."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            pids = []
+        if pids:
+            return int(pids[0])
+        if launcher.poll() is not None:
+            break
+        time.sleep(0.005)
+    raise CriuFailed(f"worker under launcher {launcher.pid} did not start within {timeout:.0f} s",
+                     hint="look at the worker's output file")
