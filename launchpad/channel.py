@@ -103,7 +103,14 @@ class ChannelServer:
         reply, a vanished worker or the timeout raise WorkerError naming the rank."""
         while not link.replies.empty():  # replies to an earlier, finished request
             self._log.debug("channel.stale_reply", rank=link.rank, msg=link.replies.get_nowait())
-        await link.chan.send(msg)
+        gone = WorkerError("worker closed the local channel (exited?) before answering", rank=link.rank, pid=link.pid)
+        if not link.connected:
+            raise gone
+        try:
+            await link.chan.send(msg)
+        except ConnectionError as exc:
+            link.connected = False
+            raise gone from exc
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             remaining = deadline - asyncio.get_running_loop().time()
