@@ -110,7 +110,7 @@ class Agent:
             last[0] = loop.time()
             try:
                 return await self._store(self.rdzv.failure, rnd)
-            except Exception as exc:  # noqa: BLE001 - any store error means its host is gone
+            except Exception as exc:  # any store error means its host (node rank 0's agent) is gone
                 return f"rendezvous store unreachable ({exc})"
         return check
 

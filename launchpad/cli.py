@@ -4,6 +4,7 @@ and handed to the agent. Exit code: 0 when every worker succeeded, the failed wo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -52,6 +53,8 @@ def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
 @click.option("--job", default=lambda: os.environ.get("TORCHPASS_JOB"), help="TorchPass job id (control plane).")
 @click.option("--node", default=lambda: os.environ.get("TORCHPASS_NODE"), help="This node's name (control plane).")
 @click.option("--config", "config_path", default=None, help="TorchPass config file (broker, timeouts).")
+@click.option("--broker", default=lambda: os.environ.get("TORCHPASS_BROKER"),
+              help="MQTT broker HOST[:PORT], overriding [broker] of the config (env TORCHPASS_BROKER).")
 @click.argument("entrypoint")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def main(**opts: object) -> None:
@@ -59,7 +62,7 @@ def main(**opts: object) -> None:
     log.setup()
     try:
         spec = build_spec(opts, os.environ)
-        config = configmod.load(opts["config_path"])  # type: ignore[arg-type]
+        config = with_broker(configmod.load(opts["config_path"]), opts["broker"])  # type: ignore[arg-type]
         config.timeouts.validate()
     except TorchPassError as exc:
         click.echo(f"launchpad: {exc}", err=True)
@@ -112,6 +115,14 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
     run_id = opts["rdzv_id"] or slurm.job_id or "none"
     return specmod.LaunchSpec(**common, nnodes_min=lo, nnodes_max=hi, node_rank=node_rank,  # type: ignore[arg-type]
                               rdzv_backend=backend, rdzv_host=host, rdzv_port=port, run_id=str(run_id))
+
+
+def with_broker(config: configmod.Config, endpoint: str | None) -> configmod.Config:
+    """``config`` with the broker address replaced by ``endpoint`` (HOST[:PORT]) when given."""
+    if not endpoint:
+        return config
+    host, port = specmod.parse_endpoint(endpoint, config.broker.port)
+    return dataclasses.replace(config, broker=dataclasses.replace(config.broker, host=host, port=port))
 
 
 def _parse_rdzv_conf(text: str) -> dict[str, float]:

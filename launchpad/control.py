@@ -109,6 +109,9 @@ class ControlPlane:
                     result = {"ok": False, "error": str(exc), "result": {}}
                     self._log.warning("control.command_failed", cmd=cmd, migration=migration, gen=msg.gen,
                                       error=str(exc))
+                except Exception as exc:  # a bug must cost one command, not the agent and its training
+                    result = {"ok": False, "error": f"internal error in launchpad: {exc!r}", "result": {}}
+                    self._log.exception("control.command_crashed", cmd=cmd, migration=migration, gen=msg.gen)
                 self._done[key].set_result(result)
         else:
             self._log.info("control.command_repeat", cmd=cmd, migration=migration, gen=msg.gen, id=msg.id)

@@ -5,6 +5,7 @@ the others), and stopping them with SIGTERM then SIGKILL after the grace period.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 from collections.abc import Awaitable, Callable
@@ -59,7 +60,7 @@ class WorkerGroup:
     async def add_joiner(self, rank: int, world_size: int, source: dict[str, Any]) -> workers.Worker:
         """Start a worker that joins the running job as ``rank``, loading its state from ``source``."""
         local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
-        m = Membership(**{**self.m.__dict__, "world_size": world_size, "rank_offset": rank - local_rank})
+        m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
             agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source)})
         return await self._add(rank, local_rank, env)

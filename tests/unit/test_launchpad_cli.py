@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from launchpad import cli, spec
+from torchpass_common import config
 from torchpass_common.errors import ConfigError
 
 
@@ -85,3 +86,11 @@ def test_usage_errors_exit_2_with_the_reason() -> None:
     assert res.exit_code == 2
     assert "MIN <= MAX" in res.output
     assert CliRunner().invoke(cli.main, ["--no-such-option", "t.py"]).exit_code == 2
+
+
+def test_broker_option_overrides_the_config() -> None:
+    base = config.parse("[broker]\nhost = 'mq.example'\nport = 1884\nkeepalive = 3\n")
+    assert cli.with_broker(base, None) == base
+    b = cli.with_broker(base, "10.77.4.1:20483").broker
+    assert (b.host, b.port, b.keepalive) == ("10.77.4.1", 20483, 3)
+    assert cli.with_broker(base, "ctl").broker.port == 1884
