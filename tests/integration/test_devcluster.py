@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.devcluster import DevCluster, instance_id_from_env
+from tests.support.devcluster import TOOL, DevCluster, instance_id_from_env
 
-pytestmark = pytest.mark.slurm
+sys.path.insert(0, str(TOOL.parent))  # the tool's own package, tpdevcluster (standard library only)
+from tpdevcluster import conffiles, hostinfo, instance
 
+slurm = pytest.mark.slurm  # every test here but the config-rendering one runs on the real cluster
 CONNECT = ("import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close();"
            " print('connected')")
 
@@ -38,6 +40,7 @@ def marked_processes(instance_id: int) -> list[int]:
     return found
 
 
+@slurm
 def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
     devcluster.reset()
     info = devcluster.info
@@ -55,6 +58,7 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
         assert Path(f"/proc/{info['daemons'][daemon]}").exists(), daemon
 
 
+@slurm
 def test_sbatch_on_three_nodes_runs_one_task_per_distinct_host(devcluster: DevCluster) -> None:
     devcluster.reset()
     job = devcluster.sbatch("#!/bin/bash\nsrun bash -c 'echo task $(hostname) $(hostname -I)'\n", "-N", "3")
@@ -68,6 +72,7 @@ def test_sbatch_on_three_nodes_runs_one_task_per_distinct_host(devcluster: DevCl
         assert addr == f"10.77.{devcluster.id}.{10 + int(host[1:])}"
 
 
+@slurm
 def test_spare_takes_only_jobs_that_ask_for_the_reservation(devcluster: DevCluster) -> None:
     devcluster.reset()
     normal = devcluster.sbatch("#!/bin/bash\nhostname\n", "-N", "4")
@@ -78,6 +83,7 @@ def test_spare_takes_only_jobs_that_ask_for_the_reservation(devcluster: DevClust
     assert devcluster.job_output(spare).split() == ["n5"]
 
 
+@slurm
 def test_a_drained_node_is_seen_draining_while_its_job_runs(devcluster: DevCluster) -> None:
     devcluster.reset()
     job = devcluster.sbatch("#!/bin/bash\nsrun sleep 120\n", "-N", "1", "-w", "n2")
@@ -91,6 +97,7 @@ def test_a_drained_node_is_seen_draining_while_its_job_runs(devcluster: DevClust
     devcluster.wait_node_state("n2", "idle")
 
 
+@slurm
 def test_exec_runs_inside_the_named_node(devcluster: DevCluster) -> None:
     devcluster.reset()
     out = devcluster.exec("n3", ["sh", "-c", "hostname; hostname -I; getent hosts n1 ctl"]).stdout.split()
@@ -102,6 +109,7 @@ def test_exec_runs_inside_the_named_node(devcluster: DevCluster) -> None:
     assert can_connect(devcluster, "n3", broker["host"], broker["port"])
 
 
+@slurm
 def test_kill_node_kills_everything_inside_and_start_node_brings_it_back(devcluster: DevCluster) -> None:
     devcluster.reset()
     job = devcluster.sbatch("#!/bin/bash\nsrun --no-kill sleep 300\n", "-N", "2", "-w", "n2,n3", "--no-kill")
@@ -118,6 +126,7 @@ def test_kill_node_kills_everything_inside_and_start_node_brings_it_back(devclus
     assert devcluster.run("srun", "-N1", "-w", "n3", "hostname", timeout=30).stdout.split() == ["n3"]
 
 
+@slurm
 def test_cut_isolates_a_node_whose_processes_keep_running_and_heal_restores_it(devcluster: DevCluster) -> None:
     devcluster.reset()
     broker = devcluster.info["broker"]
@@ -133,6 +142,7 @@ def test_cut_isolates_a_node_whose_processes_keep_running_and_heal_restores_it(d
     assert next(n for n in devcluster.info["nodes"] if n["name"] == "n4")["link"] == "up"
 
 
+@slurm
 def test_up_again_is_a_no_op_that_keeps_every_daemon(devcluster: DevCluster) -> None:
     devcluster.reset()
     before = devcluster.info["daemons"]
@@ -141,6 +151,7 @@ def test_up_again_is_a_no_op_that_keeps_every_daemon(devcluster: DevCluster) -> 
     assert after["up"] and after["daemons"] == before
 
 
+@slurm
 def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(devcluster: DevCluster) -> None:
     second = DevCluster((devcluster.id + 5) % 10, nodes=3, spares=1)
     assert instance_id_from_env() != second.id
@@ -161,6 +172,7 @@ def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(dev
     assert devcluster.info["up"]  # the first instance did not notice
 
 
+@slurm
 def test_up_refuses_a_port_another_program_holds_and_starts_nothing(devcluster: DevCluster) -> None:
     second = DevCluster((devcluster.id + 5) % 10, nodes=2, spares=0)
     port = 20000 + 100 * second.id + 17  # the second instance's slurmctld port
@@ -171,3 +183,24 @@ def test_up_refuses_a_port_another_program_holds_and_starts_nothing(devcluster: 
     assert marked_processes(second.id) == []
     assert f"tpbr{second.id}" not in subprocess.run(["ip", "-o", "link", "show"], capture_output=True,
                                                      text=True).stdout
+
+
+@pytest.mark.parametrize("version", [(22, 5), (24, 11)])
+def test_slurm_config_follows_the_detected_release(tmp_path: Path, version: tuple[int, int]) -> None:
+    """Debian 13's Slurm 24.11 needs cgroup.conf (CgroupPlugin=disabled) and has no switch/none
+    plugin; 22.05 has both ways. Rendered without root or a cluster, so 24.11 is checked here too."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "auth_jwt.so").touch()
+    if version < (23, 0):
+        (plugins / "switch_none.so").touch()
+    host = hostinfo.HostInfo(debian="x", slurm_version=version, plugin_dir=str(plugins), hostname="box",
+                             slurm_user="slurm")
+    inst = instance.Instance(4, tmp_path / "tpdc4", nodes=3, spares=1)
+    conf = conffiles.slurm_conf(inst, host)
+    assert host.needs_cgroup_conf == (version >= (24, 5))
+    assert ("SwitchType=switch/none" in conf) == (version < (23, 0))
+    assert f"PluginDir={plugins}" in conf and "AuthAltTypes=auth/jwt" in conf
+    assert "SlurmctldHost=box(10.77.4.1)" in conf and "SlurmctldPort=20417" in conf
+    assert "NodeName=n3 NodeHostname=n3 NodeAddr=10.77.4.13" in conf
+    assert "SchedulerParameters=permit_job_expansion" in conf and "ReturnToService=1" in conf
