@@ -77,6 +77,39 @@ class WormholeConfig:
             raise ConfigError(f"wormhole.chunk_bytes must be at least 4096, got {self.chunk_bytes}")
 
 
+HEALTH_ACTIONS = ("drain", "migrate", "none")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """GPU health: how often launchpad samples NVML, which signals mean "this GPU is about to
+    fail", and what torchpassd then does (drain the node in Slurm, migrate only, or just record)."""
+
+    enabled: bool = True
+    sample_interval: float = 5.0
+    action: str = "drain"  # drain | migrate | none
+    fatal_xids: list = field(default_factory=lambda: [48, 79, 94, 95])  # list of int (TOML array)
+    uncorrected_ecc: int = 1
+    corrected_ecc_burst: int = 1000
+    nvlink_error_burst: int = 100
+    rate_window: float = 600.0
+    temperature_limit: float = 90.0
+    temperature_for: float = 120.0
+    pending_retirement: bool = True
+
+    def validate(self) -> None:
+        if self.action not in HEALTH_ACTIONS:
+            raise ConfigError(f"health.action must be drain, migrate or none, got {self.action!r}")
+        if self.sample_interval <= 0 or self.rate_window <= 0 or self.temperature_for < 0:
+            raise ConfigError("health.sample_interval and health.rate_window must be positive and "
+                              "health.temperature_for not negative")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in self.fatal_xids):
+            raise ConfigError(f"health.fatal_xids must be a list of XID numbers, got {self.fatal_xids!r}")
+        for key in ("uncorrected_ecc", "corrected_ecc_burst", "nvlink_error_burst"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"health.{key} must be at least 1, got {getattr(self, key)}")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole configuration; ``source`` is the file it came from (None: built-in defaults)."""
@@ -86,6 +119,7 @@ class Config:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     wormhole: WormholeConfig = field(default_factory=WormholeConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    health: HealthConfig = field(default_factory=HealthConfig)
     source: str | None = None
 
 

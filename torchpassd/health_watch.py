@@ -1,0 +1,96 @@
+"""torchpassd's side of GPU health: decodes the ``gpu`` part of each launchpad heartbeat
+(launchpad/telemetry/encoding.py), feeds the HealthPolicy, and carries out its decisions:
+journal event ``health.decision`` with the evidence, the decisions metric, then drain the node
+in Slurm (the normal planned migration follows) or ask for a migration directly. Also answers
+"what is each node's latest GPU health" for torchpassctl."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from launchpad.telemetry.encoding import DeltaDecoder
+from torchpass_common import log
+from torchpass_common.config import HealthConfig
+from torchpass_common.errors import ProtocolError, TorchPassError
+from torchpassd.health_policy import Decision, HealthPolicy
+from torchpassd.journal import Journal
+
+DrainFn = Callable[[str, str], Awaitable[None]]  # (node, reason)
+MigrateFn = Callable[[str, str, str], None]  # (job, node, reason)
+
+
+class HealthWatch:
+    """One per torchpassd. ``counter`` is the decisions metric (``inc(signal=, action=)``)."""
+
+    def __init__(self, cfg: HealthConfig, journal: Journal, *, drain: DrainFn, migrate: MigrateFn,
+                 counter: Any) -> None:
+        self.policy = HealthPolicy(cfg)
+        self.journal, self.drain, self.migrate, self.counter = journal, drain, migrate, counter
+        self._decoders: dict[tuple[str, str], DeltaDecoder] = {}
+        self._log = log.get()
+
+    async def on_heartbeat(self, job: str, node: str, body: dict[str, Any]) -> Decision | None:
+        """Apply one heartbeat body; the decision taken because of it, if any."""
+        part = body.get("gpu")
+        if part is None:
+            return None
+        decoder = self._decoders.setdefault((job, node), DeltaDecoder())
+        try:
+            sample = decoder.apply(part)
+        except ProtocolError as exc:
+            self._log.warning("health.bad_telemetry", job=job, node=node, error=str(exc))
+            return None
+        if sample is None:
+            return None  # a delta after a lost heartbeat: wait for the next keyframe
+        decision = self.policy.observe(job, node, sample)
+        if decision is not None:
+            await self._act(decision)
+        return decision
+
+    def node_returned(self, node: str) -> None:
+        """The node is healthy in Slurm again (resumed): its GPUs are watched afresh."""
+        if node in self.policy.decided:
+            self._log.info("health.cleared", node=node)
+        self.policy.clear(node)
+
+    async def _act(self, d: Decision) -> None:
+        self._log.warning("health.decision", job=d.job, node=d.node, gpu=d.gpu, signal=d.signal,
+                          action=d.action, reason=d.reason)
+        self.counter.inc(signal=d.signal, action=d.action)
+        detail = {k: v for k, v in asdict(d).items() if k != "job"}
+        try:
+            if d.action == "drain":
+                await self.drain(d.node, d.reason)
+            elif d.action == "migrate":
+                self.migrate(d.job, d.node, d.reason)
+        except TorchPassError as exc:
+            detail["failed"] = str(exc)
+            self._log.error("health.action_failed", job=d.job, node=d.node, action=d.action, error=str(exc))
+        await asyncio.to_thread(self.journal.add_event, "health.decision", job_id=d.job, detail=detail)
+
+    def describe(self) -> dict[str, Any]:
+        """Each node's latest GPU health (for ``torchpassctl``): per GPU a one-word state and the
+        headline counters, plus the decision taken about the node, if any."""
+        now = time.time()
+        nodes = {}
+        for node, sample in sorted(self.policy.latest.items()):
+            d = self.policy.decided.get(node)
+            gpus = {gpu: {"state": _state(f), **{k: f[k] for k in _HEADLINE if k in f}}
+                    for gpu, f in sorted(sample.get("gpus", {}).items())}
+            nodes[node] = {"nvml": sample.get("nvml"), "age_s": round(now - float(sample["t"]), 1), "gpus": gpus,
+                           "decision": None if d is None else {"action": d.action, "signal": d.signal,
+                                                               "reason": d.reason, "at": d.at}}
+        return nodes
+
+
+_HEADLINE = ("temp_c", "power_w", "ecc_vol_corr", "ecc_vol_unc", "xid_last", "throttle", "error")
+
+
+def _state(fields: dict[str, Any]) -> str:
+    if not fields.get("answering", True):
+        return "not answering"
+    return "errors" if fields.get("errors") else "ok"
