@@ -180,3 +180,23 @@ def test_a_hung_nvml_call_reports_the_gpus_not_answering(monkeypatch: pytest.Mon
             await _until(lambda: sampler.samples >= 3)
             assert sampler.latest["gpus"]["0"]["answering"] is True
     asyncio.run(main())
+
+
+def test_the_gpu_check_script_records_a_replayable_sequence(tmp_path: Path) -> None:
+    """contrib/gpu-check on this GPU-less machine: fed by the replay fake, its recording replays
+    to the same samples (on a lent GPU machine it records the real NVML the same way)."""
+    import os
+    import subprocess
+    import sys
+
+    script = HEALTH.parent / "gpu-check" / "gpu_check.py"
+    out = tmp_path / "check.json"
+    env = {**os.environ, REPLAY_ENV: str(HEALTH / "degrading.json")}
+    proc = subprocess.run([sys.executable, str(script), "--samples", "16", "--interval", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "replay matches: True" in proc.stdout
+    rec = json.loads(out.read_text())["recording"]
+    assert rec["interval_s"] == 0
+    again = [s["gpus"] for s in collect(ReplayBackend(rec), 16)]
+    assert again == [s["gpus"] for s in collect(replay("degrading.json"), 16)]
