@@ -123,10 +123,10 @@ def start_slurmctld(inst: Instance) -> None:
                      log=inst.log_dir / "slurmctld.log")
 
 
-def start_slurmd(inst: Instance, node: str) -> int:
+def start_slurmd(inst: Instance, node: str) -> None:
     """Start the node's slurmd inside its namespaces; readiness is the controller's business."""
     argv = [tool("slurmd"), "-D", "-f", str(inst.slurm_conf), "-N", node]
-    return procs.spawn(inst, f"slurmd.{node}", netns.on_node(inst, node, argv))
+    procs.spawn(inst, f"slurmd.{node}", netns.on_node(inst, node, argv))
 
 
 def start_mosquitto(inst: Instance) -> None:

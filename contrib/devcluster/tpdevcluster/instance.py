@@ -32,15 +32,14 @@ class Instance:
     spares: int = 0
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Instance:
+    def from_env(cls) -> Instance:
         """The instance selected by $TORCHPASS_DEVCLUSTER_ID (default 0) and its recorded shape."""
-        env = os.environ if environ is None else environ
-        raw = env.get(ID_ENV, "0")
+        raw = os.environ.get(ID_ENV, "0")
         if not raw.isdigit() or not 0 <= int(raw) <= 9:
             raise DevClusterError(f"{ID_ENV} must be a digit 0-9, got {raw!r}",
                                   hint=f"export {ID_ENV}=N with N in 0..9")
         ident = int(raw)
-        state_dir = Path(env.get(DIR_ENV) or f"/tmp/tpdc{ident}")
+        state_dir = Path(os.environ.get(DIR_ENV) or f"/tmp/tpdc{ident}")
         inst = cls(ident, state_dir)
         shape = inst.read_shape()
         return inst.with_shape(*shape) if shape else inst

@@ -25,16 +25,14 @@ def marked_env(inst: Instance, extra: dict[str, str] | None = None) -> dict[str,
     return env
 
 
-def spawn(inst: Instance, name: str, argv: list[str], *, log: Path | None = None,
-          env: dict[str, str] | None = None) -> int:
-    """Start ``argv`` (which must stay in the foreground) as daemon ``name``; returns its PID."""
-    log = log or inst.log_dir / f"{name}.out"
-    with open(log, "ab") as out:
+def spawn(inst: Instance, name: str, argv: list[str]) -> None:
+    """Start ``argv`` (which must stay in the foreground) as daemon ``name``, its output going to
+    log/<name>.out, and record its PID in run/<name>.pid."""
+    with open(inst.log_dir / f"{name}.out", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env or marked_env(inst), start_new_session=True)
+                                env=marked_env(inst), start_new_session=True)
     _started[name] = proc
     inst.pidfile(name).write_text(f"{proc.pid}\n")
-    return proc.pid
 
 
 def read_pid(inst: Instance, name: str) -> int | None:
