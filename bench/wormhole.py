@@ -98,7 +98,8 @@ def _cpu() -> float:
 
 
 def _checksum_rate(buf: memoryview, chunk: int) -> float:
-    """GB/s of the per-chunk checksum on one core: its cost is paid once on each side."""
+    """GB/s of the chunk checksum on one core over the whole state (cold memory, so a lower bound:
+    the wormhole hashes each piece while it is cache-hot); its cost is paid once on each side."""
     t0 = time.perf_counter()
     for lo in range(0, len(buf), chunk):
         checksum(buf[lo:lo + chunk])

@@ -25,7 +25,7 @@ from launchpad.wormhole.payload import BufferSink, FileSink, Sink, Slot, TensorS
 from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
-from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, checksum, recv_frame, send_status
+from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, digest, recv_frame, send_status
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
@@ -40,12 +40,12 @@ def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Si
             raise WormholeError(f"stream {index} out of step: expected chunk {c}, got (item, offset, length) "
                                 f"{CHUNK.unpack(header)}", peer=stream.peer,
                                 hint="the stream was corrupted; retry the transfer")
-        sink, crc = sinks[c.item], 0
+        sink, hashed = sinks[c.item], digest()
         for lo in range(c.offset, c.offset + c.length, PIECE):
             with sink.view[lo:min(lo + PIECE, c.offset + c.length)] as piece:
                 stream.recv_into(piece)
-                crc = checksum(piece, crc)
-        if TRAILER.unpack(stream.recv_exact(TRAILER.size))[0] != crc:
+                hashed.update(piece)
+        if TRAILER.unpack(stream.recv_exact(TRAILER.size))[0] != hashed.intdigest():
             raise WormholeError(f"checksum mismatch in {sink.path} bytes {c.offset}..{c.offset + c.length} "
                                 f"on stream {index} (corrupted in transit)", peer=stream.peer,
                                 hint="retry the transfer; if it repeats, check the NIC and link")

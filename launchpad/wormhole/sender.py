@@ -20,7 +20,7 @@ from launchpad.wormhole.payload import Source, make_source
 from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
-from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, checksum, recv_status, send_frame
+from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, digest, recv_status, send_frame
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
@@ -31,13 +31,13 @@ def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], met
     try:
         trailer = b""
         for c in chunks:
-            prefix, crc = trailer + CHUNK.pack(c.item, c.offset, c.length), 0
+            prefix, hashed = trailer + CHUNK.pack(c.item, c.offset, c.length), digest()
             for lo in range(c.offset, c.offset + c.length, PIECE):
                 with sources[c.item].view[lo:min(lo + PIECE, c.offset + c.length)] as piece:
-                    crc = checksum(piece, crc)
+                    hashed.update(piece)
                     stream.send(prefix, piece)  # one gathered write: previous trailer, header, bytes
                 prefix = b""
-            trailer = TRAILER.pack(crc)
+            trailer = TRAILER.pack(hashed.intdigest())
             meter.add(c.length)
         stream.send(trailer)
         ok, message = recv_status(stream)
