@@ -147,14 +147,15 @@ class Orchestrator:
         p = mig.plan
         if status == jn.SUCCEEDED:
             self.pending.pop((p.job, p.source), None)
-            view = self.d.registry.job(p.job)
-            await asyncio.to_thread(self.d.journal.upsert_job, p.job, user=view.user, mode=view.mode,
-                                    state="RUNNING", gen=p.new_gen,
-                                    nodes=[n for n in (*view.nodes, p.target) if n != p.source],
-                                    detail={"batch_host": view.batch_host})
         else:
             self.retry_at[(p.job, p.source)] = time.time() + RETRY_AFTER_S
             asyncio.get_running_loop().call_later(RETRY_AFTER_S + 0.1, self.kick)
+        if p.gen_after:  # the job now runs in a later generation (with the joiner, or re-formed back)
+            view = self.d.registry.job(p.job)
+            nodes = [n for n in (*view.nodes, p.target) if n != p.source] if status == jn.SUCCEEDED else view.nodes
+            await asyncio.to_thread(self.d.journal.upsert_job, p.job, user=view.user, mode=view.mode,
+                                    state="RUNNING", gen=p.gen_after, nodes=list(nodes),
+                                    detail={"batch_host": view.batch_host})
 
     async def recover(self) -> None:
         """Finish or roll back the migrations a previous torchpassd left in flight."""

@@ -125,6 +125,8 @@ class Drill:
             rep.error = str(exc)
         rep.ok = (rep.error is None and rep.bit_identical and rep.lost_steps == 0
                   and rep.resumed_at_step == rep.expected_step)
+        if rep.workdir:
+            (Path(rep.workdir) / "report.json").write_text(json.dumps(asdict(rep), indent=1))
         return rep
 
     def _submit(self, workdir: Path) -> None:

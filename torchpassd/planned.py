@@ -60,6 +60,7 @@ class Plan:
     survivors: list[str] = field(default_factory=list)
     paused_at: float = 0.0
     resumed_at: float = 0.0
+    gen_after: int = 0  # the job's generation once the migration ended (0: unchanged)
 
     @property
     def new_gen(self) -> int:
@@ -131,6 +132,7 @@ class PlannedMigration:
         self.id = migration
         self.detected_at = detected_at  # wall time the drain was seen
         self.token = secrets.token_bytes(32)
+        self.save_sent = False
         self.t = deps.cfg.timeouts
         self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
@@ -271,6 +273,11 @@ class PlannedMigration:
         acks = await asyncio.gather(*(self.send(n, "pause", p.gen, {"at_step": p.at_step, "gen": p.gen})
                                       for n in nodes))
         steps = {int(r): s for a in acks for r, s in a["steps"].items()}
+        if set(steps) != set(range(p.world_size)):
+            missing = sorted(set(range(p.world_size)) - set(steps))
+            raise MigrationError(f"ranks {missing} did not pause (their launchpads paused no worker)",
+                                 hint="launchpad skips workers it still counts as joining; see its pause",
+                                 **self.where)
         if set(steps.values()) != {p.at_step}:
             raise MigrationError(f"ranks paused at different steps {steps}", **self.where)
         p.paused_step, p.paused_at = p.at_step, time.time()
@@ -279,22 +286,31 @@ class PlannedMigration:
     async def _hand_over(self) -> None:
         p = self.plan
         dest = {"host": p.target_addr, "port": p.port, "token": self.token.hex()}
+        self.save_sent = True
         res = await self.send(p.source, "save", p.gen, {"rank": p.rank, "dest": dest})
         await self.phase(HANDED_OVER, bytes=res.get("bytes"), transfer_s=res.get("seconds"))
 
+    def _reform_args(self, gen: int) -> dict[str, Any]:
+        p = self.plan
+        return {"gen": gen, "world_size": p.world_size, "store_host": p.store_host, "store_port": p.store_port,
+                "prefix": f"/torchpass/{p.job}/gen{gen}"}
+
     async def finish(self) -> str:
-        """From the hand-over on: form the new generation, resume, release the drained node.
-        Also used by a restarted torchpassd (every command here is idempotent)."""
+        """From the hand-over on: form the new generation with the joiner, resume, release the
+        drained node. The leaving rank stays parked until the new generation stands, so a failed
+        re-form can still go back to it. Also used by a restarted torchpassd (every command here
+        is idempotent in launchpad)."""
         p = self.plan
         members = [*p.survivors, p.target]
-        args = {"gen": p.new_gen, "world_size": p.world_size, "store_host": p.store_host,
-                "store_port": p.store_port, "prefix": f"/torchpass/{p.job}/gen{p.new_gen}"}
         try:
-            await asyncio.gather(*(self.send(n, "reform", p.new_gen, args) for n in members),
-                                 self.send(p.source, "exit", p.gen))
+            await asyncio.gather(*(self.send(n, "reform", p.new_gen, self._reform_args(p.new_gen)) for n in members))
+        except TorchPassError as exc:
+            return await self._reform_back(f"forming generation {p.new_gen} with {p.target} failed: {exc}")
+        try:
             await self.phase(REFORMED)
-            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
-            p.resumed_at = time.time()
+            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members),
+                                 self.send(p.source, "exit", p.gen))
+            p.resumed_at, p.gen_after = time.time(), p.new_gen
             pause_s = p.resumed_at - p.paused_at
             await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.paused_step)
             await self._source_gone()
@@ -309,6 +325,26 @@ class PlannedMigration:
         self.d.steps.pop(self.id, None)
         return jn.SUCCEEDED
 
+    async def _reform_back(self, reason: str) -> str:
+        """The joiner could not be admitted: form one more generation with the leaving rank
+        (still parked, its state intact) instead, resume, and let the spare go."""
+        p = self.plan
+        self.log.warning("migration.reforming_back", reason=reason)
+        back = p.new_gen + 1
+        members = [*p.survivors, p.source]
+        try:
+            await self._drop_target()
+            await asyncio.gather(*(self.send(n, "reform", back, self._reform_args(back)) for n in members))
+            await asyncio.gather(*(self.send(n, "resume", back, {"gen": back}) for n in members))
+        except TorchPassError as exc:
+            await self.phase(FAILED, jn.FAILED, error=f"{reason}; going back to {p.source} failed too: {exc}")
+            self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+            return jn.FAILED
+        p.gen_after = back
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+        await self.phase(ROLLED_BACK, jn.ROLLED_BACK, error=reason)
+        return jn.ROLLED_BACK
+
     async def _source_gone(self) -> None:
         """Let the leaving launchpad finish on its own (its task then ends cleanly) before Slurm
         takes the node away; past the re-form timeout Slurm's release stops it anyway."""
@@ -318,30 +354,43 @@ class PlannedMigration:
                 lambda: True if not (lp := view.launchpads.get(self.plan.source)) or not lp.online else None,
                 self.t.reform, f"the launchpad on {self.plan.source} to exit", **self.where)
 
+    async def _drop_target(self) -> list[str]:
+        """Stop the joiner and its launchpad, take the spare out of the job, back to the pool."""
+        p = self.plan
+        problems: list[str] = []
+        proc = self.d.steps.pop(self.id, None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+        elif self.view().launchpads.get(p.target) is not None:  # started by a previous torchpassd
+            with contextlib.suppress(TorchPassError):
+                await self.send(p.target, "exit", p.gen, timeout=5.0)
+        try:
+            await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.target)
+        except TorchPassError as exc:
+            problems.append(f"releasing {p.target}: {exc}")
+        self.d.pool.give_back(p.target)
+        return problems
+
     async def roll_back(self, reason: str) -> None:
-        """Back to the job as it was: paused ranks resume in the current generation, the
-        joiner and its launchpad go, the spare leaves the job and returns to the pool."""
+        """Before the hand-over: back to the job as it was. Paused ranks resume in the current
+        generation, the joiner and its launchpad go, the spare leaves the job for the pool."""
         p = self.plan
         self.log.warning("migration.rolling_back", reason=reason)
-        nodes = [n for n in [*p.survivors, p.source] if self.view().launchpads.get(n)]
+        nodes = [*p.survivors, p.source]
         results = await asyncio.gather(*(self.send(n, "abort", p.gen, timeout=self.t.reform) for n in nodes),
                                        return_exceptions=True)
         problems = [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
-        if p.target:
-            proc = self.d.steps.pop(self.id, None)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-            elif self.view().launchpads.get(p.target, None) is not None:  # started by a previous torchpassd
-                with contextlib.suppress(TorchPassError):
-                    await self.send(p.target, "exit", p.gen, timeout=5.0)
+        if self.save_sent:
+            # A failed save leaves the leaving rank parked but reported as errored, and launchpad's
+            # abort resumes only workers it sees as paused: resume it by name.
             try:
-                await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.target)
+                await self.send(p.source, "resume", p.gen, {"gen": p.gen}, timeout=self.t.reform)
             except TorchPassError as exc:
-                problems.append(f"releasing {p.target}: {exc}")
-            self.d.pool.give_back(p.target)
+                problems.append(f"resuming rank {p.rank} on {p.source}: {exc}")
+        if p.target:
+            problems += await self._drop_target()
         self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
         await self.phase(ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
-
 
 async def resume_after_restart(mig: PlannedMigration, phase: str) -> str:
     """A migration a previous torchpassd left in ``phase``: roll it back if the hand-over had not

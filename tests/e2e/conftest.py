@@ -1,0 +1,207 @@
+"""End-to-end fixtures: a torchpassd process for the dev cluster (real Slurm, real mosquitto),
+its config, a client slurm.conf with the TorchPass cli_filter (so sbatch --torchpass marks jobs
+as a site install does), and helpers that submit the example training job and watch migrations."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.devcluster import DevCluster
+from torchpass_common.errors import TorchPassError
+from torchpassd.ctl_client import DaemonClient
+from torchpassd.drill import EXAMPLE, read_log
+
+ROOT = Path(__file__).resolve().parents[2]
+TERMINAL = ("succeeded", "failed", "rolled_back")
+# Short decision timeouts so a failure shows within a test; they must still nest.
+TIMEOUTS = "[timeouts]\ncollective = 10.0\nstep = 20.0\nreform = 30.0\ndecision = 90.0\n"
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+    return value
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory: pytest.TempPathFactory, devcluster: DevCluster) -> Path:
+    """A directory the nodes can read and write (the dev cluster shares this machine's disk)."""
+    d = devcluster.jobs_dir / f"e2e-{os.getpid()}"
+    d.mkdir(mode=0o755, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tp_config(devcluster: DevCluster, e2e_dir: Path) -> Path:
+    """torchpass.toml for this dev cluster, with a client slurm.conf enabling cli_filter.lua."""
+    subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)
+    conf = Path(devcluster.slurm_conf)
+    client_conf = conf
+    if "CliFilterPlugins=cli_filter/lua" not in conf.read_text():
+        d = e2e_dir / "slurmclient"
+        d.mkdir(mode=0o755, exist_ok=True)
+        (d / "slurm.conf").write_text(f"include {conf}\nCliFilterPlugins=cli_filter/lua\n")
+        link = d / "cli_filter.lua"
+        if not link.exists():
+            link.symlink_to(ROOT / "spank" / "cli_filter.lua")
+        client_conf = d / "slurm.conf"
+    broker = devcluster.info["broker"]
+    path = e2e_dir / "torchpass.toml"
+    path.write_text(
+        f'[broker]\nhost = "{broker["host"]}"\nport = {broker["port"]}\n'
+        f'[slurm]\nslurm_conf = "{client_conf}"\nbackend = "commands"\npoll_interval = 0.5\n'
+        f'[orchestrator]\nstate_dir = "{e2e_dir / "state"}"\ncontrol_socket = "{e2e_dir / "tpd.sock"}"\n'
+        f"metrics_port = 0\n" + TIMEOUTS)
+    return path
+
+
+class Daemon:
+    """One torchpassd process under test (started and stopped by PID)."""
+
+    def __init__(self, config: Path, log_path: Path) -> None:
+        self.config, self.log_path = config, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = DaemonClient(config.parent / "tpd.sock", timeout=10)
+
+    def start(self) -> None:
+        env = dict(os.environ, TORCHPASS_LOG_JSON="1")
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen([str(Path(sys.executable).parent / "torchpassd"), "--config", str(self.config)],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env)
+        wait_until("torchpassd to answer", self._answers, 60)
+
+    def _answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"torchpassd exited with {self.proc.returncode}; see {self.log_path}")
+        try:
+            self.client.call("status")
+        except TorchPassError:
+            return False
+        return True
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def call(self, op: str, **args: Any) -> Any:
+        return self.client.call(op, **args)
+
+    def job(self, job: str) -> dict[str, Any] | None:
+        return next((j for j in self.call("jobs") if j["job"] == job), None)
+
+    def migrations(self, job: str) -> list[dict[str, Any]]:
+        """The job's migrations, oldest first."""
+        return list(reversed(self.call("history", job=job)))
+
+    def wait_migration(self, job: str, source: str, timeout: float = 240,
+                       statuses: tuple[str, ...] = TERMINAL, skip: int = 0) -> dict[str, Any]:
+        """The first migration off ``source`` (after ``skip`` earlier ones) to reach ``statuses``."""
+        def found() -> dict[str, Any] | None:
+            ms = [m for m in self.migrations(job) if m["source"] == source][skip:]
+            return ms[0] if ms and ms[0]["status"] in statuses else None
+        return wait_until(f"a migration of job {job} off {source}", found, timeout, every=0.1)
+
+    def wait_phase(self, job: str, phases: tuple[str, ...], timeout: float = 240) -> dict[str, Any]:
+        """The job's running migration once it has entered one of ``phases``."""
+        def found() -> dict[str, Any] | None:
+            return next((m for m in self.migrations(job) if m["status"] == "running" and m["phase"] in phases), None)
+        return wait_until(f"job {job} to reach phase {'/'.join(phases)}", found, timeout, every=0.05)
+
+
+@pytest.fixture
+def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
+               request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    """A fresh torchpassd (empty journal) on a reset dev cluster; stopped after the test."""
+    devcluster.reset()
+    state = e2e_dir / "state"
+    for f in state.glob("journal.sqlite*"):
+        f.unlink()
+    daemon = Daemon(tp_config, e2e_dir / f"torchpassd-{request.node.name}.log")
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        devcluster.run("scancel", "--user=root", check=False)
+
+
+class Training:
+    """The example DDP job submitted with ``sbatch --torchpass``, one worker per node."""
+
+    def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
+                 nodes: int = 4) -> None:
+        self.cluster, self.steps, self.nodes = cluster, steps, nodes
+        self.log = workdir / "train.log"
+        script = (f"#!/bin/bash\nexport TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config}\n"
+                  f"srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:29500 "
+                  f"{EXAMPLE} --steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
+        client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
+        (workdir / "train.sh").write_text(script)
+        res = subprocess.run(["sbatch", "--parsable", "--torchpass=aware", f"-N{nodes}", "-o",
+                              str(workdir / "slurm-%j.out"), str(workdir / "train.sh")],
+                             capture_output=True, text=True, cwd=workdir, timeout=60,
+                             env=dict(cluster.env, SLURM_CONF=client_conf), check=True)
+        self.job = res.stdout.strip().split(";")[0]
+
+    def wait_running(self, daemon: Daemon, min_step: int = 3, timeout: float = 120) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            job = daemon.job(self.job)
+            workers = [w for lp in (job or {}).get("launchpads", {}).values() for w in lp["workers"]]
+            return job if len(workers) == self.nodes and min(w["step"] for w in workers) >= min_step else None
+        return wait_until(f"job {self.job} to train", ready, timeout)
+
+    def wait_done(self, timeout: float = 240) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+        """Until every rank logged its final hash; returns the log."""
+        def done() -> bool:
+            return self.log.exists() and len(read_log(self.log)[1]) == self.nodes
+        wait_until(f"job {self.job} to finish training", done, timeout, every=0.5)
+        return read_log(self.log)
+
+
+@pytest.fixture(scope="session")
+def reference(e2e_dir: Path) -> Callable[[int], tuple[list[tuple[int, int, str]], dict[int, str]]]:
+    """The example training without any failure (4 workers under launchpad on this machine),
+    computed once per step count."""
+    cache: dict[int, tuple[list[tuple[int, int, str]], dict[int, str]]] = {}
+
+    def get(steps: int) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+        if steps not in cache:
+            log = e2e_dir / f"reference-{steps}.log"
+            log.unlink(missing_ok=True)
+            env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}
+            subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", "4",
+                            str(EXAMPLE), "--steps", str(steps), "--log", str(log)],
+                           check=True, timeout=600, env=env, capture_output=True)
+            cache[steps] = read_log(log)
+        return cache[steps]
+    return get
+
+
+def assert_bit_identical(got: tuple[list[tuple[int, int, str]], dict[int, str]],
+                         want: tuple[list[tuple[int, int, str]], dict[int, str]]) -> None:
+    """Every (rank, step) loss logged exactly once and equal to the reference, same final hashes."""
+    steps, finals = got
+    keys = [(r, s) for r, s, _ in steps]
+    assert len(keys) == len(set(keys)), "a step was logged twice (re-run after the migration)"
+    assert {(r, s): x for r, s, x in steps} == {(r, s): x for r, s, x in want[0]}
+    assert finals == want[1]

@@ -1,0 +1,133 @@
+"""Planned, model-aware migration end to end on the dev cluster: an operator drains a node, the
+training job's rank moves to a spare and the job goes on from the next step, bit-identical to a
+run without the drain. Also: two migrations in a row, no spare free, the spare dying during the
+hand-over, torchpassd SIGKILLed mid-migration, and the broker restarted mid-migration."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Daemon, Training, assert_bit_identical, wait_until
+from tests.support.devcluster import DevCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
+
+STEPS = 200
+STEP_SLEEP = 0.15  # slow enough that a migration (joiner start-up included) fits in the run
+
+
+@pytest.fixture
+def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
+    d = e2e_dir / request.node.name
+    d.mkdir(mode=0o755, exist_ok=True)
+    (d / "train.log").unlink(missing_ok=True)
+    return d
+
+
+def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon) -> Training:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
+    job.wait_running(daemon)
+    return job
+
+
+def test_drill_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:
+    res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
+                          "--mode", "planned-aware", "--json", "--steps", str(STEPS),
+                          "--step-sleep", str(STEP_SLEEP)],
+                         capture_output=True, text=True, timeout=900)
+    report = json.loads(res.stdout)
+    assert res.returncode == 0, report
+    assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["mode"] == "planned-aware" and report["migrated_to"] == "n5"
+    assert report["migrated_from"] not in ("n1", "n5")  # never the batch host
+    assert report["resumed_at_step"] == report["expected_step"] > 0
+    assert 0 <= report["detect_s"] < 10 and 0 < report["pause_s"] < 30, report
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "launchpad keeps WorkerLink.joining True after a joiner joined, so its pause (and abort) skip that rank "
+    "forever: the second migration cannot pause the first one's joiner (torchpassd then rolls back)"))
+def test_two_migrations_in_a_row(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path,
+                                 reference) -> None:  # noqa: ANN001 - fixture factory
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    devcluster.drain("n3", "fan failure")
+    first = torchpassd.wait_migration(job.job, "n3")
+    assert first["status"] == "succeeded" and first["target"] == "n5", first
+    # The drained node is repaired and given to the spare pool; the next drain lands there.
+    devcluster.resume("n3")
+    devcluster.run("scontrol", "update", "reservationname=torchpass_spares", "nodes=n3,n5")
+    devcluster.drain("n2", "memory errors")
+    second = torchpassd.wait_migration(job.job, "n2")
+    assert second["status"] == "succeeded" and second["target"] == "n3", second
+    assert second["gen"] == first["gen"] + 1
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+
+
+def test_drain_without_a_free_spare_waits_then_migrates(torchpassd: Daemon, devcluster: DevCluster,
+                                                        tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    devcluster.drain("n5", "spare under repair")
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    devcluster.drain("n3", "planned maintenance")
+    view = wait_until("the job to show why it waits",
+                      lambda: (j := torchpassd.job(job.job)) and "no spare free" in j["blocked"] and j, 60)
+    assert "n5: drained: spare under repair" in view["blocked"]
+    assert not torchpassd.migrations(job.job)  # nothing started, the job keeps running on n3
+    steps_before = max(w["step"] for lp in view["launchpads"].values() for w in lp["workers"])
+    wait_until("training to go on", lambda: max(w["step"] for lp in torchpassd.job(job.job)["launchpads"].values()
+                                               for w in lp["workers"]) > steps_before + 3, 60)
+    devcluster.resume("n5")
+    mig = torchpassd.wait_migration(job.job, "n3")
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+
+
+@pytest.mark.faults
+def test_spare_dying_during_hand_over_rolls_back(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                                 workdir: Path, reference) -> None:  # noqa: ANN001
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    devcluster.drain("n3", "planned maintenance")
+    torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
+    devcluster.kill_node("n5")
+    try:
+        mig = torchpassd.wait_migration(job.job, "n3")
+        assert mig["status"] == "rolled_back", mig
+        assert mig["error"], "the operator must see why"
+        # The old rank resumed: training finishes on the original nodes, nothing lost.
+        assert_bit_identical(job.wait_done(), reference(STEPS))
+    finally:
+        devcluster.start_node("n5")
+
+
+@pytest.mark.faults
+def test_torchpassd_sigkill_mid_migration_then_restart(torchpassd: Daemon, devcluster: DevCluster,
+                                                       tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    devcluster.drain("n3", "planned maintenance")
+    torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
+    torchpassd.stop(signal.SIGKILL)
+    torchpassd.start()
+    first = torchpassd.wait_migration(job.job, "n3")
+    assert first["status"] == "rolled_back" and "restarted" in first["error"], first
+    second = torchpassd.wait_migration(job.job, "n3", skip=1)
+    assert second["status"] == "succeeded" and second["target"] == "n5", second
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+
+
+@pytest.mark.faults
+def test_broker_restart_mid_migration(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                      workdir: Path, reference) -> None:  # noqa: ANN001
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    devcluster.drain("n3", "planned maintenance")
+    torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
+    os.kill(devcluster.info["daemons"]["mosquitto"], signal.SIGKILL)
+    devcluster.up()  # brings the broker back on the same port
+    mig = torchpassd.wait_migration(job.job, "n3")
+    assert mig["status"] == "succeeded", mig
+    assert_bit_identical(job.wait_done(), reference(STEPS))
