@@ -36,16 +36,18 @@ class RestoreResult:
 
 
 def dump(pid: int, images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
-         where: dict[str, object] | None = None) -> DumpResult:
+         enter: Sequence[str] = (), where: dict[str, object] | None = None) -> DumpResult:
     """Dump the process tree rooted at ``pid`` (a session leader; a PID-namespace init for a
     cross-node restore) into ``images`` and leave it stopped. ``tcp_close``: connected TCP sockets
-    are not dumped and come back closed (criu 4.2+). Raises CriuFailed; the tree then runs on."""
+    are not dumped and come back closed (criu 4.2+). ``enter``: a command prefix that puts criu into
+    the worker's node namespaces (criu would otherwise try to dump them). Raises CriuFailed; the
+    tree then runs on."""
     where = where or {}
     images.mkdir(parents=True, exist_ok=True)
     argv = ["dump", "-t", str(pid), "-D", str(images), "--leave-stopped"]
     if tcp_close:
         argv.append("--tcp-close")
-    seconds, timeline = _run("dump", argv, images, timeout=timeout, where=where)
+    seconds, timeline = _run("dump", argv, images, timeout=timeout, where=where, enter=enter)
     size = sum(f.stat().st_size for f in images.iterdir() if f.is_file() and f.suffix == ".img")
     result = DumpResult(images, seconds, actions.span(timeline, "pre-dump", "post-dump"), size)
     log.get(**where).info("criu.dumped", pid=pid, seconds=round(seconds, 4), image_bytes=size,

@@ -17,10 +17,11 @@ PREFIX = ("unshare", "--pid", "--fork", "setsid")
 
 
 def start(argv: Sequence[str], *, output: Path, env: Mapping[str, str] | None = None,
-          cwd: str | None = None) -> subprocess.Popen[bytes]:
-    """Start ``argv`` as a movable worker; stdout and stderr go (appended) to ``output``."""
+          cwd: str | None = None, enter: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a movable worker; stdout and stderr go (appended) to ``output``. ``enter``
+    is a command prefix that puts it into a node's namespaces (criu must then run there too)."""
     with open(output, "ab") as out:
-        return subprocess.Popen([*PREFIX, *argv], stdin=subprocess.DEVNULL, stdout=out,
+        return subprocess.Popen([*enter, *PREFIX, *argv], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=dict(env) if env is not None else None, cwd=cwd)
 
 

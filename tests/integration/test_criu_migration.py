@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,19 +44,22 @@ def _criu_or_skip() -> None:
 class Job:
     """Two workers started the way launchpad must start them for CRIU (criu_hooks.spawn)."""
 
-    def __init__(self, tmp: Path, *, pause_at: int) -> None:
+    def __init__(self, tmp: Path, *, pause_at: int, host: str = "127.0.0.1", iface: str = "lo",
+                 enters: list[list[str]] | None = None) -> None:
+        """``enters``: per rank, the command prefix that puts it on its node (none: this host)."""
         import torch.distributed as dist
 
         from criu_hooks import spawn
 
         self.tmp = tmp
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
+        self.store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=60),
                                    wait_for_workers=False)
         self.store.set("pause_at", str(pause_at))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": iface, "OMP_NUM_THREADS": "1"}
         self.launchers = [
-            spawn.start([sys.executable, __file__, "worker", str(rank), str(self.store.port),
-                         str(self._out(rank))], output=tmp / f"rank{rank}.log", env=env)
+            spawn.start([sys.executable, __file__, "worker", str(rank), host, str(self.store.port),
+                         str(self._out(rank))], output=tmp / f"rank{rank}.log", env=env,
+                        enter=enters[rank] if enters else ())
             for rank in range(WORLD)]
         self.pids = [spawn.worker_pid(p) for p in self.launchers]
         self.extra: list[subprocess.Popen[bytes]] = []  # restore supervisors
@@ -102,10 +106,10 @@ class Job:
 def job_factory(tmp_path: Path):
     jobs: list[Job] = []
 
-    def make(name: str, pause_at: int) -> Job:
+    def make(name: str, pause_at: int, **placement) -> Job:
         d = tmp_path / name
         d.mkdir()
-        jobs.append(Job(d, pause_at=pause_at))
+        jobs.append(Job(d, pause_at=pause_at, **placement))
         return jobs[-1]
 
     yield make
@@ -147,33 +151,67 @@ def test_check_names_the_chosen_criu() -> None:
     assert any(c["path"] == report["chosen"] and c["ok"] for c in report["candidates"])
 
 
-def test_rank_moves_by_dump_and_restore_and_trains_on_bit_identical(job_factory, reference, tmp_path) -> None:
+def _move_victim(job: Job, tmp_path: Path, *, source: Sequence[str] = (), target: Sequence[str] = ()) -> dict:
+    """Dump the paused victim (criu inside ``source``'s namespaces), move its images, restore it
+    inside ``target``'s, discard the original and re-form as generation 2; returns the timings."""
     from criu_hooks import runner
 
-    job = job_factory("migrated", PAUSE_AT)
-    job.wait_paused()
     victim = job.pids[VICTIM]
-    dumped = runner.dump(victim, tmp_path / "images", where={"rank": VICTIM, "gen": 1})
+    dumped = runner.dump(victim, tmp_path / "images", enter=source, where={"rank": VICTIM, "gen": 1})
     t0 = time.monotonic()
     moved = shutil.copytree(dumped.images, tmp_path / "target")  # stands in for the wormhole
     transfer_s = time.monotonic() - t0
-    supervisor = subprocess.Popen([sys.executable, "-m", "criu_hooks", "restore", str(moved)], cwd=ROOT,
-                                  stdout=subprocess.PIPE, text=True)
+    supervisor = subprocess.Popen([*target, sys.executable, "-m", "criu_hooks", "restore", str(moved)],
+                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
     job.extra.append(supervisor)
     restored = json.loads(supervisor.stdout.readline())
     assert "pid" in restored, restored
     runner.discard_original(victim)
     job.pids[VICTIM] = restored["pid"]
     job.reform(2)
+    return {"dump_s": round(dumped.seconds, 3), "frozen_s": round(dumped.frozen_seconds or -1, 3),
+            "image_mb": round(dumped.image_bytes / 1e6, 1), "transfer_s": round(transfer_s, 3),
+            "restore_s": round(restored["seconds"], 3)}
+
+
+def _victim_rows(got: list[list[dict]], key: str) -> tuple[object, object]:
+    """``key`` of the victim's last step before the pause and its first after it."""
+    return tuple(next(r[key] for r in got[VICTIM] if r.get("step") == s) for s in (PAUSE_AT - 1, PAUSE_AT))
+
+
+def test_rank_moves_by_dump_and_restore_and_trains_on_bit_identical(job_factory, reference, tmp_path) -> None:
+    job = job_factory("migrated", PAUSE_AT)
+    job.wait_paused()
+    timings = _move_victim(job, tmp_path)
     got = job.results()
 
     _same_training(got, reference)
-    before, after = ([r["pid"] for r in got[VICTIM] if r.get("step") == s] for s in (PAUSE_AT - 1, PAUSE_AT))
+    before, after = _victim_rows(got, "pid")
     assert before != after, "rank 1 was expected to run on in the restored process"
-    assert supervisor.wait(timeout=30) == 0
-    print(json.dumps({"dump_s": round(dumped.seconds, 3), "frozen_s": dumped.frozen_seconds,
-                      "image_mb": round(dumped.image_bytes / 1e6, 1), "transfer_s": round(transfer_s, 3),
-                      "restore_s": round(restored["seconds"], 3)}))
+    assert job.extra[0].wait(timeout=30) == 0  # the restore supervisor exits as the worker did
+    print(json.dumps({"same_host": timings}))
+
+
+def test_rank_moves_to_the_spare_node_of_the_dev_cluster(devcluster, job_factory, reference, tmp_path) -> None:
+    devcluster.reset()
+    info = devcluster.info
+    workers = [n for n in info["nodes"] if not n["spare"]][:2]
+    spare = next(n for n in info["nodes"] if n["spare"])
+
+    def on(node: dict) -> list[str]:  # the node's network namespace only: criu then runs in the same
+        return ["nsenter", f"--net=/run/netns/{node['netns']}"]
+
+    job = job_factory("cross_node", PAUSE_AT, host=info["broker"]["host"], iface="eth0",
+                      enters=[on(n) for n in workers])
+    job.wait_paused()
+    timings = _move_victim(job, tmp_path, source=on(workers[VICTIM]), target=on(spare))
+    got = job.results()
+
+    _same_training(got, reference)
+    before, after = _victim_rows(got, "netns")
+    assert before == os.stat(f"/run/netns/{workers[VICTIM]['netns']}").st_ino
+    assert after == os.stat(f"/run/netns/{spare['netns']}").st_ino, "rank 1 must train on on the spare"
+    print(json.dumps({"cross_node": timings, "from": workers[VICTIM]["name"], "to": spare["name"]}))
 
 
 def test_failed_dump_leaves_the_worker_training(job_factory, reference, tmp_path) -> None:
@@ -224,10 +262,14 @@ def _host_pid() -> int:
     return int(os.readlink("/proc/self"))  # /proc is the host's: its PID, not the namespace's 1
 
 
-def _connect(port: int):
+def _connect(host: str, port: int):
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=20))
+    return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=20))
+
+
+def _netns() -> int:
+    return os.stat("/proc/self/ns/net").st_ino  # which node this process runs on
 
 
 class _Parking:
@@ -235,8 +277,8 @@ class _Parking:
     "paused", wait for the re-form command (reconnecting the store if criu closed its socket) and
     re-form the default group in place, so DDP keeps its buckets."""
 
-    def __init__(self, store, port: int, rank: int, pause_at: int) -> None:
-        self.store, self.port, self.rank, self.pause_at = store, port, rank, pause_at
+    def __init__(self, store, address: tuple[str, int], rank: int, pause_at: int) -> None:
+        self.store, self.address, self.rank, self.pause_at = store, address, rank, pause_at
 
     def at_boundary(self, step: int) -> None:
         from torchpass import default_group
@@ -257,12 +299,12 @@ class _Parking:
                 if self.store.check([key]):
                     return self.store.get(key).decode()
             except RuntimeError:  # restored by criu --tcp-close: the old connection is closed
-                self.store = _connect(self.port)
+                self.store = _connect(*self.address)
             time.sleep(0.01)
         raise TimeoutError(f"rank {self.rank}: no {key} within {timeout} s")
 
 
-def _worker(rank: int, port: int, out_path: str) -> None:
+def _worker(rank: int, host: str, port: int, out_path: str) -> None:
     import hashlib
 
     import torch
@@ -274,8 +316,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 
     steps.install()
     default_group.install(joining=False)
-    store = _connect(port)
-    parking = _Parking(store, port, rank, int(store.get("pause_at")))
+    store = _connect(host, port)
+    parking = _Parking(store, (host, port), rank, int(store.get("pause_at")))
     steps.on_boundary(parking.at_boundary)
     dist.init_process_group("gloo", store=dist.PrefixStore("gen1/", store), rank=rank, world_size=WORLD)
     torch.manual_seed(0)
@@ -289,11 +331,12 @@ def _worker(rank: int, port: int, out_path: str) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            out.write(json.dumps({"step": step, "loss": loss.item().hex(), "pid": _host_pid()}) + "\n")
+            row = {"step": step, "loss": loss.item().hex(), "pid": _host_pid(), "netns": _netns()}
+            out.write(json.dumps(row) + "\n")
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         out.write(json.dumps({"final": digest.hexdigest()}) + "\n")
     os._exit(0)  # no teardown collectives: the other rank may already be gone
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
