@@ -69,6 +69,11 @@ def destroy(inst: Instance) -> None:
 def set_link(inst: Instance, node: str, up: bool) -> None:
     """Cut (down) or heal (up) the node's only link; its processes keep running."""
     ip("link", "set", inst.veth(node), "up" if up else "down")
+    if up:
+        # Address resolutions that failed or are still failing during the cut would make the
+        # first connections after the heal fail with EHOSTUNREACH; forget them on both sides.
+        ip("-n", inst.netns(node), "neigh", "flush", "dev", "eth0", check=False)
+        ip("neigh", "flush", "dev", inst.bridge, "to", inst.node_addr(node), check=False)
 
 
 def link_is_up(inst: Instance, node: str) -> bool:
