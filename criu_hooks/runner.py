@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -36,17 +37,21 @@ class RestoreResult:
 
 
 def dump(pid: int, images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
-         enter: Sequence[str] = (), where: dict[str, object] | None = None) -> DumpResult:
+         enter: Sequence[str] = (), page_server: tuple[str, int] | None = None,
+         where: dict[str, object] | None = None) -> DumpResult:
     """Dump the process tree rooted at ``pid`` (a session leader; a PID-namespace init for a
     cross-node restore) into ``images`` and leave it stopped. ``tcp_close``: connected TCP sockets
     are not dumped and come back closed (criu 4.2+). ``enter``: a command prefix that puts criu into
-    the worker's node namespaces (criu would otherwise try to dump them). Raises CriuFailed; the
-    tree then runs on."""
+    the worker's node namespaces (criu would otherwise try to dump them). ``page_server``: (host,
+    port) of a `PageServer` on the target, which then receives the memory pages (``images`` keeps
+    the rest, a few hundred KB, to be shipped). Raises CriuFailed; the tree then runs on."""
     where = where or {}
     images.mkdir(parents=True, exist_ok=True)
     argv = ["dump", "-t", str(pid), "-D", str(images), "--leave-stopped"]
     if tcp_close:
         argv.append("--tcp-close")
+    if page_server:
+        argv += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
     seconds, timeline = _run("dump", argv, images, timeout=timeout, where=where, enter=enter)
     size = sum(f.stat().st_size for f in images.iterdir() if f.is_file() and f.suffix == ".img")
     result = DumpResult(images, seconds, actions.span(timeline, "pre-dump", "post-dump"), size)
@@ -71,6 +76,53 @@ def restore(images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
     pid = int(pidfile.read_text().strip())
     log.get(**where).info("criu.restored", pid=pid, seconds=round(seconds, 4))
     return RestoreResult(pid, seconds)
+
+
+class PageServer:
+    """`criu page-server` on the target node: receives one dump's memory pages straight into
+    ``images`` (no copy on the source's disk). Start it before the dump; `wait` after it."""
+
+    def __init__(self, images: Path, host: str, port: int, *, enter: Sequence[str] = (),
+                 timeout: float = 30.0, where: dict[str, object] | None = None) -> None:
+        self.images, self.where = images, where or {}
+        images.mkdir(parents=True, exist_ok=True)
+        self.log = images / "page-server.log"
+        ready_r, ready_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [*enter, locate.find().path, "page-server", "-D", str(images), "--address", host,
+                 "--port", str(port), "--status-fd", str(ready_w), "-o", str(self.log), "-v4"],
+                pass_fds=(ready_w,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os.close(ready_w)
+        with os.fdopen(ready_r, "rb") as ready:  # criu writes one NUL byte once it listens
+            listening = select.select([ready], [], [], timeout)[0] and ready.read(1) == b"\0"
+        if not listening:
+            self.proc.kill()
+            self.proc.wait()
+            raise CriuFailed(f"criu page-server on {host}:{port} did not start: "
+                             + " | ".join(_errors(self.log)[-3:] or ["no answer"]),
+                             hint=f"criu's log: {self.log}", **self.where)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for the page server to finish (it ends with the dump); returns the received bytes."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise CriuFailed("criu page-server did not finish after the dump", hint=f"see {self.log}",
+                             **self.where) from e
+        if rc != 0:
+            raise CriuFailed("criu page-server failed: " + " | ".join(_errors(self.log)[-3:]),
+                             hint=f"criu's log: {self.log}", **self.where)
+        return sum(f.stat().st_size for f in self.images.glob("page*.img"))
+
+    def stop(self) -> None:
+        """Give up on the page server (the dump failed or was abandoned)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def resume_original(pid: int) -> None:

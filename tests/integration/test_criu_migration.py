@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,15 +152,29 @@ def test_check_names_the_chosen_criu() -> None:
     assert any(c["path"] == report["chosen"] and c["ok"] for c in report["candidates"])
 
 
-def _move_victim(job: Job, tmp_path: Path, *, source: Sequence[str] = (), target: Sequence[str] = ()) -> dict:
-    """Dump the paused victim (criu inside ``source``'s namespaces), move its images, restore it
-    inside ``target``'s, discard the original and re-form as generation 2; returns the timings."""
+def _move_victim(job: Job, tmp_path: Path, *, source: Sequence[str] = (), target: Sequence[str] = (),
+                 pages_to: str | None = None) -> dict:
+    """Dump the paused victim (criu inside ``source``'s namespaces), move its images (the memory
+    pages through a criu page server at ``pages_to`` inside ``target`` when given), restore it
+    inside ``target``'s namespaces, discard the original and re-form as generation 2."""
     from criu_hooks import runner
 
-    victim = job.pids[VICTIM]
-    dumped = runner.dump(victim, tmp_path / "images", enter=source, where={"rank": VICTIM, "gen": 1})
+    victim, moved = job.pids[VICTIM], tmp_path / "target"
+    server = None
+    if pages_to:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        server = runner.PageServer(moved, pages_to, port, enter=target)
+    try:
+        dumped = runner.dump(victim, tmp_path / "images", enter=source, where={"rank": VICTIM, "gen": 1},
+                             page_server=(pages_to, port) if server else None)
+        streamed = server.wait() if server else 0
+    finally:
+        if server:
+            server.stop()
     t0 = time.monotonic()
-    moved = shutil.copytree(dumped.images, tmp_path / "target")  # stands in for the wormhole
+    shutil.copytree(dumped.images, moved, dirs_exist_ok=True)  # the wormhole's job, later
     transfer_s = time.monotonic() - t0
     supervisor = subprocess.Popen([*target, sys.executable, "-m", "criu_hooks", "restore", str(moved)],
                                   cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -170,8 +185,8 @@ def _move_victim(job: Job, tmp_path: Path, *, source: Sequence[str] = (), target
     job.pids[VICTIM] = restored["pid"]
     job.reform(2)
     return {"dump_s": round(dumped.seconds, 3), "frozen_s": round(dumped.frozen_seconds or -1, 3),
-            "image_mb": round(dumped.image_bytes / 1e6, 1), "transfer_s": round(transfer_s, 3),
-            "restore_s": round(restored["seconds"], 3)}
+            "image_mb": round(dumped.image_bytes / 1e6, 1), "page_server_mb": round(streamed / 1e6, 1),
+            "transfer_s": round(transfer_s, 3), "restore_s": round(restored["seconds"], 3)}
 
 
 def _victim_rows(got: list[list[dict]], key: str) -> tuple[object, object]:
@@ -192,7 +207,7 @@ def test_rank_moves_by_dump_and_restore_and_trains_on_bit_identical(job_factory,
     print(json.dumps({"same_host": timings}))
 
 
-def test_rank_moves_to_the_spare_node_of_the_dev_cluster(devcluster, job_factory, reference, tmp_path) -> None:
+def test_rank_moves_to_the_spare_node_with_pages_streamed_by_criu(devcluster, job_factory, reference, tmp_path) -> None:
     devcluster.reset()
     info = devcluster.info
     workers = [n for n in info["nodes"] if not n["spare"]][:2]
@@ -204,13 +219,14 @@ def test_rank_moves_to_the_spare_node_of_the_dev_cluster(devcluster, job_factory
     job = job_factory("cross_node", PAUSE_AT, host=info["broker"]["host"], iface="eth0",
                       enters=[on(n) for n in workers])
     job.wait_paused()
-    timings = _move_victim(job, tmp_path, source=on(workers[VICTIM]), target=on(spare))
+    timings = _move_victim(job, tmp_path, source=on(workers[VICTIM]), target=on(spare), pages_to=spare["addr"])
     got = job.results()
 
     _same_training(got, reference)
     before, after = _victim_rows(got, "netns")
     assert before == os.stat(f"/run/netns/{workers[VICTIM]['netns']}").st_ino
     assert after == os.stat(f"/run/netns/{spare['netns']}").st_ino, "rank 1 must train on on the spare"
+    assert timings["page_server_mb"] > 10 * timings["image_mb"], "memory must travel by the page server"
     print(json.dumps({"cross_node": timings, "from": workers[VICTIM]["name"], "to": spare["name"]}))
 
 
