@@ -10,7 +10,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +61,13 @@ def dump(pid: int, images: Path, *, tcp_close: bool = True, timeout: float = 120
 
 
 def restore(images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
-            enter: Sequence[str] = (), where: dict[str, object] | None = None) -> RestoreResult:
+            enter: Sequence[str] = (), inherit: Mapping[str, int] | None = None,
+            where: dict[str, object] | None = None) -> RestoreResult:
     """Restore the tree dumped in ``images``, detached: its root is re-parented to the caller's
     nearest child subreaper (launchpad makes itself one, see `become_subreaper`). ``enter`` is a
     command prefix that puts criu into the target node's namespaces (e.g. nsenter --net=...).
+    ``inherit`` maps the dumped worker's external resources (`spawn.stdio_pipes`: "pipe:[123]") to
+    this process's fds that replace them, e.g. new pipes to the target launchpad's output reader.
     Raises CriuFailed; nothing of the tree is left running then."""
     where = where or {}
     pidfile = images / "restored.pid"
@@ -72,7 +75,10 @@ def restore(images: Path, *, tcp_close: bool = True, timeout: float = 120.0,
     argv = ["restore", "-D", str(images), "--restore-detached", "--pidfile", str(pidfile)]
     if tcp_close:
         argv.append("--tcp-close")
-    seconds, _ = _run("restore", argv, images, timeout=timeout, where=where, enter=enter)
+    for resource, fd in (inherit or {}).items():
+        argv += ["--inherit-fd", f"fd[{fd}]:{resource}"]
+    seconds, _ = _run("restore", argv, images, timeout=timeout, where=where, enter=enter,
+                      pass_fds=tuple((inherit or {}).values()))
     pid = int(pidfile.read_text().strip())
     log.get(**where).info("criu.restored", pid=pid, seconds=round(seconds, 4))
     return RestoreResult(pid, seconds)
@@ -145,7 +151,7 @@ def become_subreaper() -> None:
 
 
 def _run(verb: str, argv: list[str], images: Path, *, timeout: float, where: dict[str, object],
-         enter: Sequence[str] = ()) -> tuple[float, dict[str, float]]:
+         enter: Sequence[str] = (), pass_fds: tuple[int, ...] = ()) -> tuple[float, dict[str, float]]:
     criu = locate.find()
     logfile = images / f"{verb}.log"
     timeline = images / f"{verb}.timeline"
@@ -155,7 +161,7 @@ def _run(verb: str, argv: list[str], images: Path, *, timeout: float, where: dic
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=actions.env_for(timeline))
+                              env=actions.env_for(timeline), pass_fds=pass_fds)
     except subprocess.TimeoutExpired as e:
         raise CriuFailed(f"criu {verb} did not finish within {timeout:.0f} s", hint=f"see {logfile}",
                          **where) from e

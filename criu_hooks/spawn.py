@@ -1,9 +1,11 @@
 """How a worker must be started so that criu can move it to another node: in its own PID namespace
-(its PIDs are free on any node), as a session leader (no controlling terminal: no --shell-job), with
-stdin from /dev/null and output to files (pipes to launchpad would be external to the dump)."""
+(its PIDs are free on any node), as a session leader (no controlling terminal: no --shell-job), stdin
+from /dev/null, output to files or to pipes (re-attached on the target, see `stdio_pipes`), and no
+parent-death signal on the worker itself (criu restores it, and it fires when criu exits)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -41,3 +43,18 @@ def worker_pid(launcher: subprocess.Popen[bytes], *, timeout: float = 10.0) -> i
         time.sleep(0.005)
     raise CriuFailed(f"worker under launcher {launcher.pid} did not start within {timeout:.0f} s",
                      hint="look at the worker's output file")
+
+
+def stdio_pipes(pid: int) -> dict[int, str]:
+    """The worker's stdin/stdout/stderr that are pipes, as criu names them ({1: "pipe:[123]"}): ship
+    them with the images so that the target can give the restored worker its own pipes
+    (runner.restore's ``inherit``). Read it before the dump."""
+    out = {}
+    for fd in (0, 1, 2):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            out[fd] = target
+    return out
