@@ -78,6 +78,7 @@ def main() -> None:
 
     log = open(args.log, "a", buffering=1) if args.log else None
     order: list[int] = []
+    started = time.perf_counter()
     while progress["step"] < args.steps:
         step = progress["step"]
         epoch, batch = divmod(step, batches_per_epoch)
@@ -98,7 +99,8 @@ def main() -> None:
         if log:
             log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
     if log:
-        log.write(json.dumps({"rank": rank, "final": param_hash(model), "steps": progress["step"]}) + "\n")
+        log.write(json.dumps({"rank": rank, "final": param_hash(model), "steps": progress["step"],
+                              "seconds": time.perf_counter() - started}) + "\n")
         log.close()
     del ddp
     dist.destroy_process_group()

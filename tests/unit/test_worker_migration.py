@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from torchpass_common import agent_channel as ac
@@ -235,8 +236,11 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("leaving,transport", [(1, "file"), (0, "wormhole")])
-def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, leaving, transport):
+@pytest.mark.parametrize("leaving,transport,early", [(1, "file", False), (0, "wormhole", False), (1, "file", True)],
+                         ids=["rank1-file", "rank0-wormhole", "rank1-file-at-step1"])
+def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, leaving, transport, early):
+    """``early``: hand over after step 1, before DDP rebuilt its buckets (the joiner then takes
+    part in the live rebuild instead of replaying rank 0's layout)."""
     ref_losses, ref_finals = reference
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.01"])
     if transport == "file":
@@ -258,8 +262,12 @@ def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, 
         d.start(r, logs[r])
     d.connect(WORLD)
     old = d.links[leaving]
-    d.wait_steps(3)
-    at_step = d.pause_all(gen=2, margin=3)
+    if early:
+        at_step = d.pause_all(gen=2, margin=1)  # workers say hello before building their model
+        assert at_step == 1
+    else:
+        d.wait_steps(3)
+        at_step = d.pause_all(gen=2, margin=3)
 
     d.send(leaving, ac.SAVE, dest=dest)
     assert d.expect(leaving, ac.SAVED)["bytes"] > 0
@@ -272,6 +280,9 @@ def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, 
     d.wait_all()
     assert joiner.returncode == 0
 
+    if transport == "file":  # which DDP path the joiner took: replay rank 0's layout, or live rebuild
+        handed = torch.load(source["path"], weights_only=False)["torchpass"]["ddp"]
+        assert [layout["state"] for layout in handed] == ["pending" if early else "rebuilt"]
     losses, finals = read_logs(*logs, joiner_log)
     assert losses == ref_losses
     assert finals == ref_finals
