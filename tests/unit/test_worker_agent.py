@@ -99,3 +99,20 @@ def test_commands_other_than_pause_and_exit_are_refused_while_running(setup):
     opt.step()
     reply = next_reply(launchpad)
     assert reply["t"] == ac.ERROR and "while running" in reply["msg"]
+
+
+def test_a_parked_rank_asked_to_pause_later_trains_on_and_parks_there(setup):
+    _, launchpad, opt = setup
+    launchpad.recv()  # hello
+    first = steps.current() + 1
+    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=first))
+    trainer = threading.Thread(target=lambda: [opt.step() for _ in range(4)])
+    trainer.start()
+    assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": first}
+    # Another rank had missed `first`: launchpad moves everyone's pause two steps later.
+    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=first + 2))
+    assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": first + 2}
+    launchpad.send(ac.message(ac.RESUME, gen=2))
+    assert next_reply(launchpad) == {"t": "resumed", "gen": 2}
+    trainer.join(30)
+    assert not trainer.is_alive() and steps.current() == first + 3
