@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import cluster, hostinfo, netns, procs
+from . import cluster, faults, hostinfo, netns, procs
 from .errors import DevClusterError
 from .instance import DIR_ENV, ID_ENV, Instance
 
@@ -77,7 +77,7 @@ def _exec(inst: Instance, node: str, argv: list[str]) -> int:
         argv = argv[1:]
     if not argv:
         raise DevClusterError("exec needs a command: exec NODE -- CMD...")
-    cluster.require_up(inst)
+    faults.require_up(inst)
     wrapped = netns.on_node(inst, node, argv)
     os.execve(wrapped[0], wrapped, procs.marked_env(inst))
     return 127  # not reached
@@ -128,10 +128,10 @@ def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
     elif args.cmd == "down":
         cluster.down(inst, say)
     elif args.cmd == "reset":
-        cluster.reset(inst, say)
+        faults.reset(inst, say)
     else:
-        action = {"kill-node": cluster.kill_node, "start-node": cluster.start_node,
-                  "cut": cluster.cut, "heal": cluster.heal}[args.cmd]
+        action = {"kill-node": faults.kill_node, "start-node": faults.start_node,
+                  "cut": faults.cut, "heal": faults.heal}[args.cmd]
         inst.node_index(args.node)
         action(inst, args.node, say)
     return 0
