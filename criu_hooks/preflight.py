@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from criu_hooks import cuda, locate
+from criu_hooks import cuda, locate, spawn
 from criu_hooks.errors import CriuUnavailable, CudaCheckpointUnsupported
 
 
@@ -21,14 +21,13 @@ def reasons(pid: int, *, cross_gpu: bool = False) -> list[str]:
         found.append(str(e))
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        session = spawn.session_of(pid)
     except OSError:
         return [*found, f"process {pid} does not exist"]
     nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
     if len(nspid) < 2 or nspid[-1] != "1":
         found.append(f"process {pid} is not the first process of its own PID namespace, so its PID "
                      "may be taken on the target: start workers with criu_hooks.spawn")
-    session = int(stat.rsplit(")", 1)[1].split()[3])  # fields after "(comm)": state ppid pgrp session
     if session != pid:
         found.append(f"process {pid} is not a session leader (session {session}): start workers with "
                      "criu_hooks.spawn (setsid)")

@@ -28,16 +28,17 @@ def start(argv: Sequence[str], *, output: Path, env: Mapping[str, str] | None = 
 
 
 def worker_pid(launcher: subprocess.Popen[bytes], *, timeout: float = 10.0) -> int:
-    """The worker's PID (as this process sees it) under a launcher from `start`: what criu dumps."""
+    """The worker's PID (as this process sees it) under a launcher from `start`, once it leads its
+    own session (setsid done): what criu dumps."""
     children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             pids = children.read_text().split()
+            if pids and session_of(int(pids[0])) == int(pids[0]):
+                return int(pids[0])
         except OSError:
-            pids = []
-        if pids:
-            return int(pids[0])
+            pass
         if launcher.poll() is not None:
             break
         time.sleep(0.005)
@@ -58,3 +59,9 @@ def stdio_pipes(pid: int) -> dict[int, str]:
         if target.startswith("pipe:["):
             out[fd] = target
     return out
+
+
+def session_of(pid: int) -> int:
+    """The session id of process ``pid`` (OSError when it is gone)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[3])  # after "(comm)": state ppid pgrp session
