@@ -12,6 +12,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from launchpad.commands import Commands
+from launchpad.telemetry.sampler import Sampler
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.errors import TorchPassError
 
@@ -35,10 +36,12 @@ class ControlPlane:
                                          will=(protocol.state_topic(self.job, self.node), will),
                                          on_connect=self._announce)
         self._tasks: list[asyncio.Task[None]] = []
+        self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
 
     async def __aenter__(self) -> ControlPlane:
         await self.client.__aenter__()
         await self.client.subscribe(protocol.cmd_topic(self.job, self.node))
+        await self.telemetry.__aenter__()
         self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._commands())]
         return self
 
@@ -51,6 +54,7 @@ class ControlPlane:
         with contextlib.suppress(TorchPassError):  # a clean goodbye; the Last Will covers a failed one
             await self._publish_state(online=False, timeout=1.0)
         await self.client.__aexit__(None, None, None)
+        await self.telemetry.__aexit__(None, None, None)
 
     async def _announce(self, client: mqtt.ControlClient) -> None:
         await self._publish_state(online=True, timeout=mqtt.PUBLISH_TIMEOUT)
@@ -72,7 +76,7 @@ class ControlPlane:
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
                             **({"exit_code": w.returncode} if w.returncode is not None else {})})
-        return {"node": self.node, "seq": self._seq, "workers": workers}
+        return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part()}
 
     async def _heartbeats(self) -> None:
         interval = self.agent.timeouts.heartbeat_interval
