@@ -56,7 +56,8 @@ class DevCluster:
         return res
 
     def up(self) -> None:
-        self.tool("up", "--nodes", str(self.nodes), "--spares", str(self.spares))
+        # Each stage of `up` has its own 30 s bound; this only catches a hung tool.
+        self.tool("up", "--nodes", str(self.nodes), "--spares", str(self.spares), timeout=300)
 
     def down(self) -> None:
         self.tool("down")
