@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_plugin import events as ev
+from slurm_plugin import node_admin
 from slurm_plugin.connect import open_client, runner_for
 from slurm_plugin.resize import JobResizer
 from slurm_plugin.spares import SparePool, spares_of
@@ -28,6 +29,7 @@ from torchpassd import journal as jn
 from torchpassd import planned, sdnotify
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
+from torchpassd.health_watch import HealthWatch
 from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
 
@@ -208,7 +210,8 @@ class Orchestrator:
         return {"status": status, "jobs": jobs, "migrate": migrate, "history": history}
 
 
-async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics) -> None:
+async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics,
+                health: HealthWatch) -> None:
     async for topic, msg in client.messages():
         node = protocol.parse_topic(topic).node
         if node is None:
@@ -219,10 +222,13 @@ async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Comma
             await registry.on_message(node, msg)
             if msg.kind == protocol.HEARTBEAT:
                 metrics.heartbeat_seen(msg.job, node)
+                await health.on_heartbeat(msg.job, node, msg.body)
 
 
-async def _watch(watcher: Watcher, orch: Orchestrator) -> None:
+async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch) -> None:
     async for e in watcher.events():
+        if isinstance(e, ev.NodeReturned):
+            health.node_returned(e.node)
         try:
             await orch.on_slurm(e)
         except TorchPassError as exc:
@@ -268,14 +274,17 @@ async def serve(cfg: Config) -> int:
         deps = planned.Deps(cfg, journal, registry, commander, resizer, SparePool(slurm, cfg.slurm.spare_reservation),
                             metrics, publish_event, state_dir / "steps")
         orch = Orchestrator(deps, watcher)
-        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics)),
+        health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
+                             drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner_for(cfg.slurm), node, reason))
+        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
-        async with ControlServer(cfg.orchestrator.control_socket, orch.handlers(started, slurm.name, client),
+        async with ControlServer(cfg.orchestrator.control_socket,
+                                 {**orch.handlers(started, slurm.name, client), "health": health.op_health},
                                  group=cfg.orchestrator.control_group), \
                 MetricsServer(metrics, port=cfg.orchestrator.metrics_port) as metrics_server:
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
             await orch.recover()
-            tasks += [asyncio.create_task(_watch(watcher, orch)),
+            tasks += [asyncio.create_task(_watch(watcher, orch, health)),
                       asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
             logger.info("torchpassd.ready", backend=slurm.name, metrics_port=metrics_server.port,

@@ -31,6 +31,7 @@ class HealthWatch:
         self.policy = HealthPolicy(cfg)
         self.journal, self.drain, self.migrate, self.counter = journal, drain, migrate, counter
         self._decoders: dict[tuple[str, str], DeltaDecoder] = {}
+        self._acting: set[asyncio.Task[None]] = set()
         self._log = log.get()
 
     async def on_heartbeat(self, job: str, node: str, body: dict[str, Any]) -> Decision | None:
@@ -46,10 +47,21 @@ class HealthWatch:
             return None
         if sample is None:
             return None  # a delta after a lost heartbeat: wait for the next keyframe
-        decision = self.policy.observe(job, node, sample)
-        if decision is not None:
-            await self._act(decision)
+        try:
+            decision = self.policy.observe(job, node, sample)
+        except (TypeError, ValueError) as exc:  # a field of the wrong type from a foreign sender
+            self._log.warning("health.bad_telemetry", job=job, node=node, error=repr(exc))
+            return None
+        if decision is not None:  # acted on beside the caller (a drain may take seconds)
+            task = asyncio.create_task(self._act(decision), name=f"health-{node}")
+            self._acting.add(task)
+            task.add_done_callback(self._acting.discard)
         return decision
+
+    async def settle(self) -> None:
+        """Wait until the actions of the decisions taken so far are done."""
+        while self._acting:
+            await asyncio.gather(*self._acting)
 
     def node_returned(self, node: str) -> None:
         """The node is healthy in Slurm again (resumed): its GPUs are watched afresh."""
@@ -71,6 +83,10 @@ class HealthWatch:
             detail["failed"] = str(exc)
             self._log.error("health.action_failed", job=d.job, node=d.node, action=d.action, error=str(exc))
         await asyncio.to_thread(self.journal.add_event, "health.decision", job_id=d.job, detail=detail)
+
+    async def op_health(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The control socket's ``health`` operation (torchpassctl)."""
+        return self.describe()
 
     def describe(self) -> dict[str, Any]:
         """Each node's latest GPU health (for ``torchpassctl``): per GPU a one-word state and the

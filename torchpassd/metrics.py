@@ -126,6 +126,9 @@ class Metrics:
             "Training pause of a migration: last step before it to first step after it.", PAUSE_BUCKETS)
         self.spares_free = Gauge("torchpass_spares_free", "Spare nodes free to take a migration.")
         self.jobs_tracked = Gauge("torchpass_jobs_tracked", "Slurm jobs running under TorchPass.")
+        self.health_decisions_total = Counter(
+            "torchpass_health_decisions_total", "GPU health decisions about nodes, by signal and action.",
+            ("signal", "action"))
         self.heartbeat_age_seconds = Gauge(
             "torchpass_heartbeat_age_seconds", "Seconds since the last heartbeat of a node's launchpad.",
             ("job", "node"))
@@ -146,7 +149,7 @@ class Metrics:
         for (job, node), seen in self._last_heartbeat.items():
             self.heartbeat_age_seconds.set(round(now - seen, 3), job=job, node=node)
         metrics = (self.migrations_total, self.migration_pause_seconds, self.spares_free, self.jobs_tracked,
-                   self.heartbeat_age_seconds)
+                   self.heartbeat_age_seconds, self.health_decisions_total)
         return "\n".join(m.render() for m in metrics) + "\n"
 
 

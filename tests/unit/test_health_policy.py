@@ -20,7 +20,7 @@ from torchpass_common.errors import ConfigError, SlurmError
 from torchpassd.health_policy import Decision, HealthPolicy
 from torchpassd.health_watch import HealthWatch
 from torchpassd.journal import Journal
-from torchpassd.metrics import Counter
+from torchpassd.metrics import Metrics
 
 HEALTH = Path(__file__).resolve().parents[2] / "contrib" / "health"
 
@@ -133,9 +133,10 @@ def test_health_watch_drains_once_and_journals_the_evidence(tmp_path: Path) -> N
             raise SlurmError("scontrol refused", node=node)
 
     async def main() -> None:
-        counter = Counter("torchpass_health_decisions_total", "test", ("signal", "action"))
+        metrics = Metrics()
         with Journal(tmp_path / "journal.sqlite") as journal:
-            watch = HealthWatch(HealthConfig(), journal, drain=drain, migrate=lambda *a: None, counter=counter)
+            watch = HealthWatch(HealthConfig(), journal, drain=drain, migrate=lambda *a: None,
+                                counter=metrics.health_decisions_total)
             collector = Collector(ReplayBackend.from_file(HEALTH / "degrading.json", start=0.0), node="n3")
             collector.open()
             enc = DeltaEncoder()
@@ -143,18 +144,22 @@ def test_health_watch_drains_once_and_journals_the_evidence(tmp_path: Path) -> N
                          for _ in range(16)]
             assert await watch.on_heartbeat("42", "n3", {"workers": []}) is None  # no telemetry in it
             assert await watch.on_heartbeat("42", "n3", {"gpu": {"s": "x"}}) is None  # logged, dropped
+            odd = {"s": 1, "t": 0.0, "n": "nvml", "g": {"0": {"temp_c": "hot"}}}
+            assert await watch.on_heartbeat("42", "n9", {"gpu": odd}) is None
+            await watch.settle()
             assert [i for i, d in enumerate(decisions) if d] == [12]
             assert drained == [("n3", "torchpass: GPU0 XID 79 (fell off the bus)")]
             (event,) = journal.events(job_id="42")
             assert event.event == "health.decision" and event.detail["signal"] == "xid"
             assert event.detail["evidence"]["fields"]["xid_79"] == 1 and "failed" not in event.detail
-            assert 'torchpass_health_decisions_total{signal="xid",action="drain"} 1' in counter.render()
-            view = watch.describe()["n3"]
+            assert 'torchpass_health_decisions_total{signal="xid",action="drain"} 1' in metrics.render()
+            view = (await watch.op_health({}))["n3"]
             assert view["decision"]["reason"] == drained[0][1]
             assert view["gpus"]["0"]["state"] == "not answering" and view["gpus"]["1"]["state"] == "ok"
 
             watch.node_returned("n3")  # resumed while GPU0 is still lost: drained again, the refusal journaled
             d = await watch.on_heartbeat("42", "n3", {"gpu": enc.encode(collector.sample())})
             assert d is not None and d.signal == "not_answering"
+            await watch.settle()
             assert "scontrol refused" in journal.events(job_id="42")[-1].detail["failed"]
     asyncio.run(main())
