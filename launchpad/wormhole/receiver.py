@@ -21,9 +21,9 @@ import torch
 from launchpad.wormhole.auth import Refused, StreamInfo, admit, check_token, server_handshake, turn_away
 from launchpad.wormhole.layout import leaves_of, unflatten
 from launchpad.wormhole.parallel import run_parallel
-from launchpad.wormhole.payload import BufferSink, FileSink, Sink, Slot, TensorSink, check_spec, make_slot
 from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
+from launchpad.wormhole.sinks import BufferSink, FileSink, Sink, Slot, TensorSink, check_spec, make_slot
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
 from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, digest, recv_frame, send_status
 from torchpass_common import log
