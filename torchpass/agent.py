@@ -64,9 +64,18 @@ class Agent:
                 return
 
     # -- running ---------------------------------------------------------------------------
+    def _send(self, msg: dict[str, Any]) -> None:
+        """Send to launchpad; if it is gone, note it and carry on training."""
+        if self._gone:
+            return
+        try:
+            self.chan.send(msg)
+        except OSError as e:
+            self._log.error("agent.send_failed", error=str(e), kind=msg["t"])
+            self._agent_gone()
+
     def _on_boundary(self, step: int) -> None:
-        if not self._gone:
-            self.chan.send({"t": ac.STEP, "step": step})
+        self._send({"t": ac.STEP, "step": step})
         if self._wake:
             self._serve_running(step)
 
@@ -90,7 +99,7 @@ class Agent:
             gen, at_step = self._pause["gen"], self._pause["at_step"]
             if step > at_step:
                 self._pause = None
-                self.chan.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
+                self._send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
                 self._log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
             elif step == at_step:
                 self._pause = None
@@ -112,7 +121,7 @@ class Agent:
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()
-        self.chan.send(ac.message(ac.PAUSED, gen=gen, step=step))
+        self._send(ac.message(ac.PAUSED, gen=gen, step=step))
         self._log.info("agent.paused", gen=gen, step=step)
         self.park()
 
@@ -145,7 +154,7 @@ class Agent:
         elif kind == ac.REFORM:
             self._reform(msg)
         elif kind == ac.RESUME:
-            self.chan.send(ac.message(ac.RESUMED, gen=msg["gen"]))
+            self._send(ac.message(ac.RESUMED, gen=msg["gen"]))
             self._log.info("agent.resumed", gen=msg["gen"], step=step)
             self._wake = not self._commands.empty()
             return True
@@ -156,7 +165,7 @@ class Agent:
             return True
         elif kind == ac.PAUSE:
             reply = ac.PAUSED if msg["at_step"] == step else ac.PAUSE_MISSED
-            self.chan.send(ac.message(reply, gen=msg["gen"], step=step))
+            self._send(ac.message(reply, gen=msg["gen"], step=step))
         return False
 
     def _save(self, dest: dict[str, Any]) -> None:
@@ -168,7 +177,7 @@ class Agent:
         rec = handover.record(self.save_fn(), steps.current(), ddp_layout.capture())
         size = handover.send(rec, dest, rank=self.rank)
         seconds = time.perf_counter() - t0
-        self.chan.send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
+        self._send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
         self._log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
 
     def _reform(self, msg: dict[str, Any]) -> None:
@@ -180,7 +189,7 @@ class Agent:
                                   timeout=timedelta(seconds=self.timeouts.reform), wait_for_workers=False)
             group.reconfigure(gen, msg["rank"], msg["world_size"], store, msg["prefix"])
             self._log.info("agent.reformed", gen=gen, seconds=round(time.perf_counter() - t0, 4))
-        self.chan.send(ac.message(ac.REFORMED, gen=gen))
+        self._send(ac.message(ac.REFORMED, gen=gen))
 
     def _exit(self) -> None:
         """Leave the job: this rank's state has been handed over (or the job is ending). The
@@ -198,8 +207,7 @@ class Agent:
 
     def _error(self, text: str) -> None:
         self._log.error("agent.command_failed", error=text, step=steps.current())
-        if not self._gone:
-            self.chan.send(ac.message(ac.ERROR, msg=text))
+        self._send(ac.message(ac.ERROR, msg=text))
 
     # -- joining ---------------------------------------------------------------------------
     def join(self) -> None:
@@ -216,13 +224,13 @@ class Agent:
         t0 = time.perf_counter()
         template = handover.record(self.save_fn(), 0, []) if "token" in source else None
         incoming = handover.Incoming(source, rank=self.rank, template=template)
-        self.chan.send(ac.message(ac.READY))
+        self._send(ac.message(ac.READY))
         rec = incoming.receive(self.timeouts.decision)
         meta = rec["torchpass"]
         ddp_layout.replay(group, meta["ddp"])
         self.load_fn(rec["user"])
         steps.restore(meta["step"])
-        self.chan.send(ac.message(ac.JOINED, step=meta["step"]))
+        self._send(ac.message(ac.JOINED, step=meta["step"]))
         self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4))
         self.park()
 

@@ -116,3 +116,14 @@ def test_a_parked_rank_asked_to_pause_later_trains_on_and_parks_there(setup):
     assert next_reply(launchpad) == {"t": "resumed", "gen": 2}
     trainer.join(30)
     assert not trainer.is_alive() and steps.current() == first + 3
+
+
+def test_training_goes_on_when_launchpad_goes_away(setup):
+    agent, launchpad, opt = setup
+    launchpad.recv()  # hello
+    launchpad.close()
+    before = steps.current()
+    for _ in range(50):  # step reports into the closed socket fail quietly
+        opt.step()
+    assert steps.current() == before + 50
+    assert agent._gone
