@@ -1,7 +1,8 @@
-"""launchpad's GPU sampling loop: opens the collector (real NVML, or the replay named by
-$TORCHPASS_HEALTH_REPLAY for tests and drills), samples every health.sample_interval seconds on
-its own thread so a hung NVML call never blocks the agent's loop (a sample that does not come
-back in time reports every GPU as not answering), and hands the changes to each heartbeat."""
+"""launchpad's GPU sampling loop: opens the collector (real NVML, or for tests and drills the
+replay that $TORCHPASS_HEALTH_REPLAY names, see :func:`replay_path`), samples every
+health.sample_interval seconds on its own thread so a hung NVML call never blocks the agent's
+loop (a sample that does not come back in time reports every GPU as not answering), and hands
+the changes to each heartbeat."""
 
 from __future__ import annotations
 
@@ -24,9 +25,19 @@ REPLAY_ENV = "TORCHPASS_HEALTH_REPLAY"
 MIN_HANG_S = 10.0  # a sample slower than max(this, 2 x interval) counts as NVML not answering
 
 
+def replay_path(node: str, value: str) -> str | None:
+    """The recording ``node`` replays: $TORCHPASS_HEALTH_REPLAY is PATH (every node) or
+    NODE=PATH[,NODE=PATH...] (only those nodes; the others read their real NVML)."""
+    if "=" not in value:
+        return value or None
+    paths = dict(entry.split("=", 1) for entry in value.split(",") if "=" in entry)
+    return paths.get(node)
+
+
 def open_backend(node: str = "") -> NvmlBackend:
-    """The real NVML backend, or the replay fake when $TORCHPASS_HEALTH_REPLAY names a recording."""
-    path = os.environ.get(REPLAY_ENV)
+    """The real NVML backend, or the replay fake when $TORCHPASS_HEALTH_REPLAY names a recording
+    for this node (tests and drills only)."""
+    path = replay_path(node, os.environ.get(REPLAY_ENV, ""))
     if path:
         log.get(node=node or None).warning("health.replay_in_use", recording=path)
         return ReplayBackend.from_file(path)

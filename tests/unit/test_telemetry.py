@@ -115,6 +115,8 @@ def test_a_bad_recording_is_a_clear_error(tmp_path: Path) -> None:
 def test_the_replay_env_selects_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(REPLAY_ENV, str(HEALTH / "stable.json"))
     assert open_backend("n1").name == "replay"
+    monkeypatch.setenv(REPLAY_ENV, f"n3={HEALTH / 'degrading.json'},n4={HEALTH / 'stable.json'}")
+    assert open_backend("n3").name == "replay" and open_backend("n1").name == "nvml"
     monkeypatch.delenv(REPLAY_ENV)
     assert open_backend("n1").name == "nvml"
 
