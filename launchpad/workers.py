@@ -83,7 +83,10 @@ class Worker:
             os.killpg(self.proc.pid, sig)
 
     async def wait(self) -> int:
+        """Wait for the worker to exit; then kill what it left in its session (strays would hold
+        its output pipes open) and let the output pumps drain."""
         code = await self.proc.wait()
+        self.signal(signal.SIGKILL)
         await asyncio.gather(*self.pumps, return_exceptions=True)
         return code
 
@@ -95,7 +98,7 @@ class Worker:
                 return await asyncio.wait_for(self.wait(), grace)
             except TimeoutError:
                 log.get(rank=self.rank).warning("worker.kill", pid=self.pid, after=grace)
-        self.signal(signal.SIGKILL)  # also reaps children left behind by an exited leader
+        self.signal(signal.SIGKILL)
         return await self.wait()
 
 

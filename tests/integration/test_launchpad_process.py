@@ -15,6 +15,9 @@ import test_launchpad_training as lt
 from test_launchpad_training import Procs, free_port, launchpad_argv, write_script
 
 procs = lt.procs  # the shared fixture: processes started by a test are killed by PID at teardown
+# Supervision tests below start their workers with --no-python (plain Python, no torch import), which
+# keeps them fast on a busy machine; the first test and -m go through the torchpass bootstrap.
+LIGHT = ("--no-python", lt.PYTHON)
 
 # argv: FAIL_RANK EXIT_CODE [HEALED_AT_RESTART]. Each worker says hello and reports the signal that
 # stops it (exit 7); FAIL_RANK exits with EXIT_CODE after 0.3 s, the others would wait a minute;
@@ -62,7 +65,7 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code(procs: Procs, tmp
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_are_forwarded_to_every_worker(procs: Procs, tmp_path: Path, sig: signal.Signals) -> None:
     script = write_script(tmp_path, WORKER, "worker.py")
-    proc = procs.start(launchpad_argv("--standalone", "--nproc-per-node=2", str(script), "-1", "0"))
+    proc = procs.start(launchpad_argv("--standalone", "--nproc-per-node=2", *LIGHT, str(script), "-1", "0"))
     wait_for_line(proc, "up restart=0")
     wait_for_line(proc, "up restart=0")
     proc.send_signal(sig)
@@ -75,7 +78,7 @@ def test_signals_are_forwarded_to_every_worker(procs: Procs, tmp_path: Path, sig
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(procs: Procs, tmp_path: Path) -> None:
     script = write_script(tmp_path, "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                                     "print('up', flush=True)\ntime.sleep(60)\n", "stubborn.py")
-    proc = procs.start(launchpad_argv("--standalone", "--grace-period=1", str(script)))
+    proc = procs.start(launchpad_argv("--standalone", "--grace-period=1", *LIGHT, str(script)))
     wait_for_line(proc, "up")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -88,11 +91,11 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(procs: Procs, 
 def test_max_restarts_restarts_the_group(procs: Procs, tmp_path: Path) -> None:
     script = write_script(tmp_path, WORKER, "worker.py")
     # rank 0 fails in restarts 0 and 1 and is fine in restart 2; everybody then exits 0 quickly
-    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=2",
+    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=2", *LIGHT,
                                    str(script), "0", "5", "2"), timeout=90)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[1]:rank 1 up restart=2" in res.stdout
-    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=1", *LIGHT,
                                    str(script), "0", "5", "2"), timeout=90)
     assert res.returncode == 5
 
@@ -112,7 +115,7 @@ def test_module_and_no_python(procs: Procs, tmp_path: Path) -> None:
 def test_failure_on_one_node_stops_the_other(procs: Procs, tmp_path: Path) -> None:
     script = write_script(tmp_path, WORKER, "worker.py")
     common = ["--nnodes=2", f"--master-port={free_port()}", "--nproc-per-node=1"]
-    nodes = [procs.start(launchpad_argv(*common, f"--node-rank={n}", str(script), "1", "9")) for n in (0, 1)]
+    nodes = [procs.start(launchpad_argv(*common, f"--node-rank={n}", *LIGHT, str(script), "1", "9")) for n in (0, 1)]
     for n in nodes:
         n.communicate(timeout=60)
     assert nodes[1].returncode == 9  # the node whose worker failed
