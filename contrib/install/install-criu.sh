@@ -51,8 +51,12 @@ OPTS=(
   -oAcquire::Retries=1 -oAcquire::http::Timeout=20 -oAcquire::https::Timeout=20
 )
 say "fetching the $SUITE package index from $MIRROR (private apt state in $APT)"
-timeout 180 apt-get "${OPTS[@]}" -qq update >"$APT/update.log" 2>&1 \
-  || die "apt-get update of $SUITE failed (see $APT/update.log): $(tail -3 "$APT/update.log" | tr '\n' ' ')"
+timeout 180 apt-get "${OPTS[@]}" -qq --error-on=any update >"$APT/update.log" 2>&1 \
+  || die "apt-get update of $SUITE from $MIRROR failed: $(tail -3 "$APT/update.log" | tr '\n' ' ')"
+CANDIDATE=$(apt-cache "${OPTS[@]}" policy criu 2>/dev/null | awk '/Candidate:/ { print $2 }')
+case "$CANDIDATE" in ""|"(none)") die "Debian $SUITE has no criu package for $ARCH" ;; esac
+echo "Version: ${CANDIDATE#*:}" | version_ok \
+  || die "Debian $SUITE has criu $CANDIDATE; TorchPass needs $MIN_MAJOR.$MIN_MINOR or newer (TORCHPASS_CRIU_SUITE=sid has it)"
 
 # With an empty dpkg status, apt's plan lists criu and every library below it (libc included).
 mapfile -t PKGS < <(apt-get "${OPTS[@]}" -s install --no-install-recommends criu 2>"$APT/plan.log" \
@@ -64,7 +68,7 @@ say "downloading ${#PKGS[@]} packages: ${PKGS[*]}"
 for deb in "$APT"/debs/*.deb; do dpkg-deb -x "$deb" "$ROOT/root.new"; done
 
 LIB=$ROOT/root/usr/lib/$TRIPLET
-[ -e "$ROOT/root.new/usr/lib/$TRIPLET/$LOADER" ] || die "the unpacked libc has no $LOADER"
+[ -e "$ROOT/root.new/usr/lib/$TRIPLET/$LOADER" ] || die "the unpacked libc has no usr/lib/$TRIPLET/$LOADER (a suite without merged /usr?)"
 rm -rf "$ROOT/root" && mv "$ROOT/root.new" "$ROOT/root"
 mkdir -p "$ROOT/bin"
 cat > "$WRAPPER.new" <<EOF
