@@ -46,6 +46,7 @@ def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
 @_opt("--log-dir", default=None, help="Keep each worker's stdout/stderr under this directory.")
 @click.option("--redirects", "-r", default="0", help="Send worker output to log files only: 0-3 or LR:MASK,...")
 @click.option("--tee", "-t", default="0", help="Send worker output to log files and the console: 0-3 or LR:MASK,...")
+@_opt("--local-ranks-filter", default="", help="Show only these local ranks' output on the console: 0,1,...")
 @_opt("--node-rank", default=None, type=int, help="This node's rank (static rendezvous).")
 @_opt("--master-addr", default=None, help="Host of the rendezvous store for the static backend.")
 @_opt("--master-port", default=None, type=int, help="Port of the rendezvous store for the static backend.")
@@ -83,6 +84,7 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         module=bool(opts["module"]), no_python=bool(opts["no_python"]), log_dir=opts["log_dir"],
         redirects=specmod.parse_std_mask(str(opts["redirects"]), nproc),
         tee=specmod.parse_std_mask(str(opts["tee"]), nproc), role=str(opts["role"]),
+        console_ranks=specmod.parse_ranks_filter(str(opts["local_ranks_filter"])),
         monitor_interval=float(opts["monitor_interval"]),  # type: ignore[arg-type]
         grace_period=float(opts["grace_period"]), job=opts["job"], node=opts["node"] or socket.gethostname(),  # type: ignore[arg-type]
         **rdzv_conf,

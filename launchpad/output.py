@@ -14,7 +14,8 @@ from launchpad.spec import STD_ERR, STD_OUT, LaunchSpec
 
 class OutputRouter:
     """Where one attempt's worker output goes. With a log dir every stream is kept in a file;
-    a stream is shown on the console unless it is redirected and not teed."""
+    a stream is shown on the console unless it is redirected (to a log dir) and not teed, or its
+    local rank is left out by --local-ranks-filter."""
 
     def __init__(self, spec: LaunchSpec, attempt: int) -> None:
         self.spec = spec
@@ -28,6 +29,8 @@ class OutputRouter:
         return {"stdout": d / "stdout.log", "stderr": d / "stderr.log"}
 
     def to_console(self, local_rank: int, stream: str) -> bool:
+        if self.spec.console_ranks is not None and local_rank not in self.spec.console_ranks:
+            return False
         bit = STD_OUT if stream == "stdout" else STD_ERR
         redirected = self.spec.redirects.get(local_rank, 0) & bit
         teed = self.spec.tee.get(local_rank, 0) & bit

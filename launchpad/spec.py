@@ -37,6 +37,7 @@ class LaunchSpec:
     log_dir: str | None = None
     redirects: Mapping[int, int] = field(default_factory=dict)
     tee: Mapping[int, int] = field(default_factory=dict)
+    console_ranks: frozenset[int] | None = None  # --local-ranks-filter; None shows every local rank
     role: str = "default"
     monitor_interval: float = 0.1
     join_timeout: float = 600.0
@@ -96,6 +97,16 @@ def parse_std_mask(text: str, nproc: int) -> dict[int, int]:
     if any(not STD_NONE <= v <= STD_ALL for v in result.values()):
         raise ConfigError(f"--redirects/--tee masks must be 0 (none) to 3 (both), got {text!r}")
     return result
+
+
+def parse_ranks_filter(text: str) -> frozenset[int] | None:
+    """torchrun's ``--local-ranks-filter``: ``"0,2"``; empty means every local rank."""
+    if not text.strip():
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"--local-ranks-filter must be comma-separated local ranks, got {text!r}") from exc
 
 
 def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:

@@ -107,8 +107,9 @@ def test_module_and_no_python(procs: Procs, tmp_path: Path) -> None:
                     env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[1]:module rank 1" in res.stdout
-    res = procs.run(launchpad_argv("--standalone", "--no-python", "sh", "-c", 'echo "sh rank $RANK"; exit 4'))
-    assert res.returncode == 4 and "[0]:sh rank 0" in res.stdout
+    res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--local-ranks-filter=1", "--no-python",
+                                   "sh", "-c", 'echo "sh rank $RANK"; exit $((RANK * 4))'))
+    assert res.returncode == 4 and res.stdout.splitlines() == ["[1]:sh rank 1"]
 
 
 @pytest.mark.slow

@@ -65,16 +65,18 @@ def test_first_slurm_host(nodelist: str, first: str) -> None:
     assert spec.first_slurm_host(nodelist) == first
 
 
-def test_redirect_and_tee_masks() -> None:
-    s = build("--nproc-per-node=3", "--redirects=0:1,2:3", "--tee", "2", "train.py")
+def test_redirect_tee_and_console_filter() -> None:
+    s = build("--nproc-per-node=3", "--redirects=0:1,2:3", "--tee", "2", "--local_ranks_filter=0,2", "train.py")
     assert dict(s.redirects) == {0: 1, 2: 3}
     assert dict(s.tee) == {0: 2, 1: 2, 2: 2}
+    assert s.console_ranks == {0, 2}
+    assert build("train.py").console_ranks is None
 
 
 @pytest.mark.parametrize("argv", [
     ["--nnodes=0", "t.py"], ["--nnodes=3:2", "--rdzv-backend=c10d", "t.py"], ["--nnodes=1:2", "t.py"],
     ["--nnodes=2", "--node-rank=2", "t.py"], ["--nproc-per-node=lots", "t.py"], ["--redirects=5", "t.py"],
-    ["--rdzv-backend=etcd", "t.py"], ["-m", "--no-python", "t"],
+    ["--rdzv-backend=etcd", "t.py"], ["-m", "--no-python", "t"], ["--local-ranks-filter=a", "t.py"],
 ])
 def test_bad_options_are_config_errors(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
