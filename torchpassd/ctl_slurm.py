@@ -19,6 +19,7 @@ from slurm_plugin.model import Snapshot
 from slurm_plugin.spares import spares_of
 from torchpass_common import config
 from torchpass_common.errors import TorchPassError
+from torchpassd.ctl_client import DaemonClient
 
 
 def _snapshot(ctx: click.Context) -> tuple[config.Config, SlurmClient, Snapshot]:
@@ -75,15 +76,26 @@ def jobs(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
     return rows
 
 
-@_listing("nodes", ("node", "state", "healthy", "jobs", "reason", "reason_by"))
+def _gpu_health(cfg: config.Config) -> dict[str, str]:
+    """Each node's latest GPU health as torchpassd last heard it; {} when torchpassd does not answer."""
+    try:
+        health = DaemonClient(cfg.orchestrator.control_socket, timeout=2.0).call("health")
+    except TorchPassError:
+        return {}
+    return {node: h["summary"] for node, h in health.items()}
+
+
+@_listing("nodes", ("node", "state", "healthy", "jobs", "gpu", "reason", "reason_by"))
 def nodes(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
-    """Every node with its state, health, TorchPass jobs and drain/down reason."""
+    """Every node with its state, health, TorchPass jobs, latest GPU health (from torchpassd, "-"
+    when it does not answer) and drain/down reason (a GPU drain names its signal)."""
+    gpu = _gpu_health(cfg)
     on: dict[str, list[int]] = {}
     for job in snap.torchpass_jobs().values():
         for n in job.nodes:
             on.setdefault(n, []).append(job.job_id)
     return [{"node": n.name, "state": n.describe(), "healthy": n.healthy, "jobs": ",".join(map(str, sorted(on.get(n.name, [])))),
-             "reason": n.reason, "reason_by": n.reason_by} for n in sorted(snap.nodes.values(), key=lambda n: n.name)]
+             "gpu": gpu.get(n.name, "-"), "reason": n.reason, "reason_by": n.reason_by} for n in sorted(snap.nodes.values(), key=lambda n: n.name)]
 
 
 COMMANDS = (spares, jobs, nodes)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
+from launchpad.telemetry.collector import ABSENT
 from launchpad.telemetry.encoding import DeltaDecoder
 from torchpass_common import log
 from torchpass_common.config import HealthConfig
@@ -98,12 +99,24 @@ class HealthWatch:
             gpus = {gpu: {"state": _state(f), **{k: f[k] for k in _HEADLINE if k in f}}
                     for gpu, f in sorted(sample.get("gpus", {}).items())}
             nodes[node] = {"nvml": sample.get("nvml"), "age_s": round(now - float(sample["t"]), 1), "gpus": gpus,
+                           "summary": _summary(sample.get("nvml"), gpus),
                            "decision": None if d is None else {"action": d.action, "signal": d.signal,
                                                                "reason": d.reason, "at": d.at}}
         return nodes
 
 
 _HEADLINE = ("temp_c", "power_w", "ecc_vol_corr", "ecc_vol_unc", "xid_last", "throttle", "error")
+
+
+def _summary(nvml: str | None, gpus: dict[str, dict[str, Any]]) -> str:
+    """One line for a node: "no NVML", the GPUs in trouble, or "ok" with the hottest GPU."""
+    if nvml == ABSENT:
+        return "no NVML"
+    bad = [f"GPU{g} {v['state']}" for g, v in gpus.items() if v["state"] != "ok"]
+    if bad:
+        return ", ".join(bad)
+    temps = [v["temp_c"] for v in gpus.values() if "temp_c" in v]
+    return f"ok ({len(gpus)} GPUs" + (f", max {max(temps)} C)" if temps else ")")
 
 
 def _state(fields: dict[str, Any]) -> str:

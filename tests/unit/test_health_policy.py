@@ -156,10 +156,30 @@ def test_health_watch_drains_once_and_journals_the_evidence(tmp_path: Path) -> N
             view = (await watch.op_health({}))["n3"]
             assert view["decision"]["reason"] == drained[0][1]
             assert view["gpus"]["0"]["state"] == "not answering" and view["gpus"]["1"]["state"] == "ok"
+            assert view["summary"] == "GPU0 not answering"
 
             watch.node_returned("n3")  # resumed while GPU0 is still lost: drained again, the refusal journaled
             d = await watch.on_heartbeat("42", "n3", {"gpu": enc.encode(collector.sample())})
             assert d is not None and d.signal == "not_answering"
             await watch.settle()
             assert "scontrol refused" in journal.events(job_id="42")[-1].detail["failed"]
+    asyncio.run(main())
+
+
+def test_health_watch_summarises_each_node_for_operators(tmp_path: Path) -> None:
+    async def main() -> None:
+        with Journal(tmp_path / "journal.sqlite") as journal:
+            watch = HealthWatch(HealthConfig(), journal, drain=None, migrate=lambda *a: None,  # type: ignore[arg-type]
+                                counter=Metrics().health_decisions_total)
+            collector = Collector(ReplayBackend.from_file(HEALTH / "stable.json", start=0.0), node="n1")
+            collector.open()
+            enc = DeltaEncoder()
+            for _ in range(4):
+                assert await watch.on_heartbeat("7", "n1", {"gpu": enc.encode(collector.sample())}) is None
+            no_gpu = Collector(ReplayBackend({"nvml": "absent", "steps": [{}]}), node="n2")
+            no_gpu.open()
+            await watch.on_heartbeat("7", "n2", {"gpu": DeltaEncoder().encode(no_gpu.sample())})
+            view = watch.describe()
+            assert view["n1"]["summary"] == "ok (2 GPUs, max 66 C)" and view["n1"]["decision"] is None
+            assert view["n2"]["summary"] == "no NVML" and view["n2"]["gpus"] == {}
     asyncio.run(main())
