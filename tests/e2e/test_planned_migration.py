@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, wait_until
+from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, wait_until
 from tests.support.devcluster import DevCluster
+from torchpass_common.errors import SlurmError
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
@@ -31,8 +32,36 @@ def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
     return d
 
 
-def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon) -> Training:
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
+def repair_killed_spare(devcluster: DevCluster, node: str) -> None:
+    """Bring a killed node back. Slurm 22.05 can keep a node that died inside a resized job
+    allocated or completing without any job once its slurmd returns; down, resume and a
+    reconfigure clear that."""
+    devcluster.start_node(node)
+    devcluster.run("scancel", "--user=root", check=False)
+    try:
+        devcluster.wait_node_state(node, ("idle", "reserved"), timeout=20)
+    except SlurmError:
+        devcluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=e2e repair")
+        devcluster.resume(node)
+        devcluster.run("scontrol", "reconfigure")
+        devcluster.wait_node_state(node, ("idle", "reserved"), timeout=20)
+
+
+def restart_broker(devcluster: DevCluster) -> None:
+    """SIGKILL the dev cluster's mosquitto and start it again on the same port, through the
+    devcluster tool's own daemon starter (pidfile kept, so `devcluster down` still stops it)."""
+    sys.path.insert(0, str(ROOT / "contrib" / "devcluster"))
+    from tpdevcluster import daemons, instance  # noqa: PLC0415 - the tool's package, off sys.path by default
+
+    pid = devcluster.info["daemons"]["mosquitto"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until("the broker to die", lambda: not Path(f"/proc/{pid}").exists(), 10)
+    daemons.start_mosquitto(instance.Instance.from_env())
+
+
+def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
+             step_sleep: float = STEP_SLEEP) -> Training:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=step_sleep)
     job.wait_running(daemon)
     return job
 
@@ -102,13 +131,13 @@ def test_spare_dying_during_hand_over_rolls_back(torchpassd: Daemon, devcluster:
         # The old rank resumed: training finishes on the original nodes, nothing lost.
         assert_bit_identical(job.wait_done(), reference(STEPS))
     finally:
-        devcluster.start_node("n5")
+        repair_killed_spare(devcluster, "n5")
 
 
 @pytest.mark.faults
 def test_torchpassd_sigkill_mid_migration_then_restart(torchpassd: Daemon, devcluster: DevCluster,
                                                        tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
-    job = training(devcluster, tp_config, workdir, torchpassd)
+    job = training(devcluster, tp_config, workdir, torchpassd, step_sleep=3 * STEP_SLEEP)  # room for two joiners
     devcluster.drain("n3", "planned maintenance")
     torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
     torchpassd.stop(signal.SIGKILL)
@@ -126,8 +155,7 @@ def test_broker_restart_mid_migration(torchpassd: Daemon, devcluster: DevCluster
     job = training(devcluster, tp_config, workdir, torchpassd)
     devcluster.drain("n3", "planned maintenance")
     torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
-    os.kill(devcluster.info["daemons"]["mosquitto"], signal.SIGKILL)
-    devcluster.up()  # brings the broker back on the same port
+    restart_broker(devcluster)
     mig = torchpassd.wait_migration(job.job, "n3")
     assert mig["status"] == "succeeded", mig
     assert_bit_identical(job.wait_done(), reference(STEPS))
