@@ -1,0 +1,116 @@
+"""The planned migration's pure decisions: reading the leaving worker's command line, the plan a
+restarted torchpassd rebuilds from the journal, the joiner's command line, the pause step, and the
+drill's verdict on a training log (resumed step, lost steps, bit-identity)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchpass_common import protocol
+from torchpass_common.config import Config
+from torchpass_common.errors import MigrationError
+from torchpassd import journal as jn
+from torchpassd.drill import DrillReport, compare
+from torchpassd.planned import Deps, Plan, PlannedMigration, WorkerTemplate
+from torchpassd.registry import Registry
+
+PROC_TEXT = ("/venv/bin/python\n-u\n-m\ntorchpass._bootstrap\ntrain.py\n--steps\n50\n\n===\n"
+             "RANK=2\nWORLD_SIZE=4\nMASTER_ADDR=n1\nMASTER_PORT=29500\nTORCHPASS_CONFIG=/etc/tp.toml\n\n===\n/home/u/run\n")
+
+
+def test_worker_template_is_read_from_proc_text() -> None:
+    tpl = WorkerTemplate.parse(PROC_TEXT, job="7", node="n3")
+    assert tpl.python == "/venv/bin/python"
+    assert tpl.script_args == ["train.py", "--steps", "50"]
+    assert tpl.env["MASTER_ADDR"] == "n1" and tpl.env["WORLD_SIZE"] == "4"
+    assert tpl.cwd == "/home/u/run"
+
+
+def test_worker_not_under_the_bootstrap_is_refused_with_a_hint() -> None:
+    with pytest.raises(MigrationError, match="does not run under the torchpass bootstrap.*job=7, node=n3"):
+        WorkerTemplate.parse(PROC_TEXT.replace("torchpass._bootstrap", "train"), job="7", node="n3")
+    with pytest.raises(MigrationError, match="lacks MASTER_ADDR"):
+        WorkerTemplate.parse(PROC_TEXT.replace("MASTER_ADDR=n1\n", ""), job="7", node="n3")
+
+
+def test_plan_is_rebuilt_from_the_journal(tmp_path: Path) -> None:
+    with jn.Journal(tmp_path / "j.sqlite") as j:
+        j.upsert_job("7", user="u", mode="aware", state="RUNNING", gen=3, nodes=["n1", "n3"])
+        mid = j.start_migration("7", mode="planned-aware", source="n3", reason="drain", gen=3)
+        j.record_transition(mid, "spare_chosen", jn.RUNNING, {"plan": {"target": "n5", "rank": 2}})
+        j.record_transition(mid, "paused", jn.RUNNING, {"plan": {"paused_step": 40, "future_field": 1}})
+        plan = Plan.from_record(j.migration(mid))
+    assert (plan.job, plan.source, plan.gen, plan.new_gen) == ("7", "n3", 3, 4)
+    assert (plan.target, plan.rank, plan.paused_step) == ("n5", 2, 40)
+
+
+def _migration(registry: Registry, plan: Plan) -> PlannedMigration:
+    deps = Deps(Config(), None, registry, None, None, None, None, None, Path("/tmp"))  # type: ignore[arg-type]
+    return PlannedMigration(deps, plan, "ab" * 16, detected_at=time.time())
+
+
+def test_joiner_takes_over_the_leaving_rank() -> None:
+    plan = Plan(job="7", source="n3", gen=1, rank=2, world_size=4, target="n5", store_host="n1", store_port=29500)
+    argv = _migration(Registry(), plan)._joiner_argv(WorkerTemplate.parse(PROC_TEXT, job="7", node="n3"))
+    assert argv[:3] == ["/venv/bin/python", "-m", "launchpad"]
+    assert argv[argv.index("--node") + 1] == "n5" and argv[argv.index("--config") + 1] == "/etc/tp.toml"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "n1:29500"
+    tail = argv[argv.index("--no-python") + 1:]
+    assert tail[0] == "/usr/bin/env" and "RANK=2" in tail and "WORLD_SIZE=4" in tail
+    assert tail[-5:] == ["-m", "torchpass._bootstrap", "train.py", "--steps", "50"]
+
+
+def _heartbeat(node: str, step: int) -> protocol.Message:
+    body = {"node": node, "seq": 1, "workers": [{"rank": 0, "step": step, "state": "running"}]}
+    return protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1, body=body))
+
+
+def test_pause_step_leaves_room_for_heartbeat_lag_and_delivery() -> None:
+    registry = Registry()
+
+    async def feed() -> None:
+        await registry.on_message("n1", _heartbeat("n1", 10))
+        await registry.on_message("n3", _heartbeat("n3", 12))
+    asyncio.run(feed())
+    for lp in registry.job("7").launchpads.values():
+        lp.steps_per_s = 4.0
+    step = _migration(registry, Plan(job="7", source="n3", gen=1, survivors=["n1"]))._pause_step()
+    assert step >= 12 + 1 + 6  # 4 steps/s over the 1.5 s margin at least
+    assert step <= 12 + 1 + 8  # and not much more: the heartbeats are fresh
+
+
+def _log(path: Path, rows: list[tuple[int, int, str]], final: str) -> Path:
+    lines = [json.dumps({"rank": r, "step": s, "loss": x}) for r, s, x in rows]
+    lines += [json.dumps({"rank": r, "final": final}) for r in (0, 1)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _rows(steps: int, bad: dict[tuple[int, int], str] | None = None) -> list[tuple[int, int, str]]:
+    return [(r, s, (bad or {}).get((r, s), f"{r}.{s}")) for s in range(steps) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("case", ["identical", "skipped", "replayed", "diverged"])
+def test_drill_verdict(tmp_path: Path, case: str) -> None:
+    ref = _log(tmp_path / "ref", _rows(10), "h")
+    rows: list[tuple[int, int, str]] = _rows(10)
+    expected: dict[str, Any] = {"resumed_at_step": 4, "lost_steps": 0, "bit_identical": True}
+    if case == "skipped":  # rank 1 came back at step 5: step 4 never ran there
+        rows = [row for row in rows if row[:2] != (1, 4)]
+        expected = {"resumed_at_step": 5, "lost_steps": 1, "bit_identical": False}
+    elif case == "replayed":  # rank 1 ran step 3 again after the move
+        rows.insert(rows.index((1, 4, "1.4")), (1, 3, "1.3"))
+        expected = {"resumed_at_step": 3, "lost_steps": 0, "bit_identical": False}
+    elif case == "diverged":
+        rows = _rows(10, {(1, 7): "other"})
+        expected = {"resumed_at_step": 4, "lost_steps": 0, "bit_identical": False}
+    rep = DrillReport()
+    compare(_log(tmp_path / "run", rows, "h"), ref, rank=1, expected_step=4, report=rep)
+    assert {k: getattr(rep, k) for k in expected} == expected
+    assert rep.expected_step == 4
