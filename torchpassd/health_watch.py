@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from launchpad.telemetry.collector import ABSENT
+from launchpad.telemetry.collector import ABSENT, FAILED
 from launchpad.telemetry.encoding import DeltaDecoder
 from torchpass_common import log
 from torchpass_common.config import HealthConfig
@@ -99,7 +99,7 @@ class HealthWatch:
             gpus = {gpu: {"state": _state(f), **{k: f[k] for k in _HEADLINE if k in f}}
                     for gpu, f in sorted(sample.get("gpus", {}).items())}
             nodes[node] = {"nvml": sample.get("nvml"), "age_s": round(now - float(sample["t"]), 1), "gpus": gpus,
-                           "summary": _summary(sample.get("nvml"), gpus),
+                           "summary": _summary(sample, gpus),
                            "decision": None if d is None else {"action": d.action, "signal": d.signal,
                                                                "reason": d.reason, "at": d.at}}
         return nodes
@@ -108,10 +108,12 @@ class HealthWatch:
 _HEADLINE = ("temp_c", "power_w", "ecc_vol_corr", "ecc_vol_unc", "xid_last", "throttle", "error")
 
 
-def _summary(nvml: str | None, gpus: dict[str, dict[str, Any]]) -> str:
-    """One line for a node: "no NVML", the GPUs in trouble, or "ok" with the hottest GPU."""
-    if nvml == ABSENT:
+def _summary(sample: dict[str, Any], gpus: dict[str, dict[str, Any]]) -> str:
+    """One line for a node: "no NVML", NVML failing, the GPUs in trouble, or "ok" with the hottest GPU."""
+    if sample.get("nvml") == ABSENT:
         return "no NVML"
+    if sample.get("nvml") == FAILED:
+        return f"NVML failed: {sample.get('why', '')}"
     bad = [f"GPU{g} {v['state']}" for g, v in gpus.items() if v["state"] != "ok"]
     if bad:
         return ", ".join(bad)

@@ -23,6 +23,7 @@ from launchpad.telemetry.backend import (
 from torchpass_common import log
 
 ABSENT = "absent"  # the "nvml" value of a sample from a machine without NVML
+FAILED = "failed"  # ... and from one whose NVML would not start (driver trouble, a GPU lost at start)
 
 
 class Collector:
@@ -32,6 +33,7 @@ class Collector:
         self.backend = backend
         self.gpus: list[GpuIdentity] = []
         self.available = False
+        self.status = ABSENT  # the "nvml" value of samples while not available
         self.absent_reason = ""
         self._xids: dict[int, Counter[int]] = {}
         self._last_xid: dict[int, int] = {}
@@ -39,12 +41,18 @@ class Collector:
         self._log = log.get(node=node or None)
 
     def open(self) -> bool:
-        """Start NVML; False (logged once as ``health.no_nvml``) when this machine has none."""
+        """Start NVML; False when this machine has none (logged once as ``health.no_nvml``) or
+        when it would not start (``health.nvml_failed``: samples then say so, for operators)."""
         try:
             self.gpus = self.backend.open()
         except NoNvml as exc:
             self.absent_reason = exc.message
             self._log.info("health.no_nvml", reason=exc.message, backend=self.backend.name)
+            return False
+        except TelemetryError as exc:
+            self.status, self.absent_reason = FAILED, exc.message
+            self._log.error("health.nvml_failed", error=exc.message, backend=self.backend.name)
+            self.backend.close()
             return False
         self.available = True
         self._xids = {g.index: Counter() for g in self.gpus}
@@ -58,9 +66,10 @@ class Collector:
             self.available = False
 
     def sample(self) -> dict[str, Any]:
-        """``{"t", "nvml", "gpus": {index: {field: value}}}``; ``nvml`` is "absent" without NVML."""
+        """``{"t", "nvml", "gpus": {index: {field: value}}}``; ``nvml`` is the backend's name, or
+        "absent" / "failed" (with ``why``) when NVML is not available."""
         if not self.available:
-            return {"t": time.time(), "nvml": ABSENT, "why": self.absent_reason, "gpus": {}}
+            return {"t": time.time(), "nvml": self.status, "why": self.absent_reason, "gpus": {}}
         t = self.backend.tick()
         self._collect_xids()
         no_xid = self.backend.unsupported_xid()

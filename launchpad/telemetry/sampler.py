@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launchpad.telemetry.backend import NvmlBackend
-from launchpad.telemetry.collector import ABSENT, Collector
+from launchpad.telemetry.collector import Collector
 from launchpad.telemetry.encoding import DeltaEncoder
 from launchpad.telemetry.pynvml_backend import PynvmlBackend
 from launchpad.telemetry.replay import ReplayBackend
@@ -86,7 +86,7 @@ class Sampler:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self._pool, self.collector.open):
-            self._publish(self.collector.sample())  # one "no NVML" report, then nothing
+            self._publish(self.collector.sample())  # one "no NVML" (or "failed") report, then nothing
             return
         limit = max(MIN_HANG_S, 2 * self.cfg.sample_interval)
         while True:
@@ -101,6 +101,6 @@ class Sampler:
 
     def _not_answering(self, limit: float) -> dict[str, Any]:
         error = f"NVML did not answer within {limit:.0f} s"
-        return {"t": time.time(), "nvml": self.collector.backend.name if self.collector.available else ABSENT,
+        return {"t": time.time(), "nvml": self.collector.backend.name,
                 "gpus": {str(g.index): {"uuid": g.uuid, "name": g.name, "answering": False, "error": error}
                          for g in self.collector.gpus}}

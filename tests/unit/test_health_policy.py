@@ -179,7 +179,10 @@ def test_health_watch_summarises_each_node_for_operators(tmp_path: Path) -> None
             no_gpu = Collector(ReplayBackend({"nvml": "absent", "steps": [{}]}), node="n2")
             no_gpu.open()
             await watch.on_heartbeat("7", "n2", {"gpu": DeltaEncoder().encode(no_gpu.sample())})
+            broken = {"s": 1, "t": 0.0, "n": "failed", "w": "nvmlInit: Unknown Error", "g": {}}
+            await watch.on_heartbeat("7", "n3", {"gpu": broken})
             view = watch.describe()
+            assert view["n3"]["summary"] == "NVML failed: nvmlInit: Unknown Error"
             assert view["n1"]["summary"] == "ok (2 GPUs, max 66 C)" and view["n1"]["decision"] is None
             assert view["n2"]["summary"] == "no NVML" and view["n2"]["gpus"] == {}
     asyncio.run(main())

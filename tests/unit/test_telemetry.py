@@ -104,6 +104,18 @@ def test_a_replayed_machine_without_nvml_is_reported_absent() -> None:
     assert c.open() is False and c.sample()["nvml"] == ABSENT
 
 
+class _BrokenDriver(ReplayBackend):
+    def open(self) -> list[Any]:
+        raise NvmlFailure("nvmlInit: Unknown Error")
+
+
+def test_an_nvml_that_will_not_start_is_reported_failed_not_absent() -> None:
+    c = Collector(_BrokenDriver({"steps": [{}]}), node="n1")
+    assert c.open() is False
+    sample = c.sample()
+    assert (sample["nvml"], sample["why"], sample["gpus"]) == ("failed", "nvmlInit: Unknown Error", {})
+
+
 def test_a_bad_recording_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty.json").write_text(json.dumps({"steps": []}))
     with pytest.raises(TorchPassError, match="no steps"):
