@@ -35,7 +35,7 @@ class Agent:
         self.gen = 1
         self.world_size = 0
         self.group: WorkerGroup | None = None
-        self.rdzv: Rendezvous
+        self.rdzv: Rendezvous | None = None
         self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
         self.channel = ChannelServer(str(self._tmp / "agent.sock"))
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")
@@ -50,6 +50,8 @@ class Agent:
         self._log.warning("agent.signal", signal=signal.Signals(sig).name)
         self._signal = sig
         self._stop.set()
+        if self.rdzv is not None:
+            self.rdzv.cancel.set()  # a rendezvous still waiting for peers gives up
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -66,12 +68,14 @@ class Agent:
             return await self._rounds()
         except TorchPassError as exc:
             print(f"launchpad: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return 128 + self._signal if self._signal is not None else 1
         finally:
             if self.group is not None:
                 await self.group.stop()
             await self.channel.close()
-            self._store_thread.shutdown(wait=False, cancel_futures=True)
+            self._store_thread.shutdown(wait=True, cancel_futures=True)
+            if self.rdzv is not None:
+                self.rdzv.close()
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     async def _rounds(self) -> int:

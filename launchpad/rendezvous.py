@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +63,7 @@ class Rendezvous:
         self.spec = spec
         self._log = log.get(job=spec.job, node=spec.node, run=spec.run_id)
         self._ns = f"/launchpad/{spec.run_id}"
+        self.cancel = threading.Event()  # set from another thread to give up waiting for peers
         self.store, self.hosting = self._connect()
         self.host = spec.rdzv_host
         self.port = self.store.port
@@ -90,6 +92,11 @@ class Rendezvous:
                 f"within {spec.join_timeout:.0f} s: {exc}",
                 hint="check that node rank 0's launchpad runs and the endpoint is reachable") from exc
         return store, False
+
+    def close(self) -> None:
+        """Drop the store (stopping its server if hosted) now: left to the garbage collector at
+        interpreter exit, the hosted server's destructor can hang."""
+        del self.store
 
     def _key(self, rnd: int, name: str) -> str:
         return f"{self._ns}/r{rnd}/{name}"
@@ -134,7 +141,7 @@ class Rendezvous:
                 raise RendezvousError(
                     f"only {joined} of {spec.nnodes_min} nodes joined round {rnd} within {spec.join_timeout:.0f} s",
                     hint="start launchpad on every node with the same --rdzv-endpoint and --rdzv-id")
-            time.sleep(_POLL)
+            self._pause(rnd)
 
     def _wait(self, key: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -142,8 +149,12 @@ class Rendezvous:
             if time.monotonic() > deadline:
                 raise RendezvousError(f"rendezvous key {key} did not appear within {timeout:.0f} s",
                                       hint="node rank 0's launchpad may have died; check its log")
-            time.sleep(_POLL)
+            self._pause(None)
         return self.store.get(key).decode()
+
+    def _pause(self, rnd: int | None) -> None:
+        if self.cancel.wait(_POLL):
+            raise RendezvousError("rendezvous cancelled (launchpad is stopping)", round=rnd)
 
     def report_failure(self, rnd: int, what: str) -> None:
         """Tell every agent that round ``rnd`` failed (first writer wins)."""
@@ -165,4 +176,5 @@ class Rendezvous:
             if time.monotonic() > deadline:
                 self._log.warning("rendezvous.finish_timeout", round=rnd, waited=timeout)
                 return
-            time.sleep(_POLL)
+            if self.cancel.wait(_POLL):
+                return

@@ -121,3 +121,18 @@ def test_failure_on_one_node_stops_the_other(procs: Procs, tmp_path: Path) -> No
         n.communicate(timeout=60)
     assert nodes[1].returncode == 9  # the node whose worker failed
     assert nodes[0].returncode == 1  # the other node stopped its healthy worker
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_the_other_nodes_stops_at_once(procs: Procs, tmp_path: Path) -> None:
+    proc = procs.start(launchpad_argv("--nnodes=2", "--node-rank=0", f"--master-port={free_port()}", "--no-python",
+                                      "true"), log=tmp_path / "launchpad.log")
+    log = tmp_path / "launchpad.log"
+    deadline = time.monotonic() + 60
+    while "rendezvous.hosting" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "rendezvous cancelled" in log.read_text()
