@@ -1,5 +1,6 @@
-"""``torchpassctl drill --mode planned-aware``: prove an installation end to end. Submits the
-example DDP job with ``sbatch --torchpass``, drains one of its nodes (never the batch host),
+"""``torchpassctl drill --mode planned-aware|gpu-degrade``: prove an installation end to end. Submits
+the example DDP job with ``sbatch --torchpass``, drains one of its nodes (never the batch host; in
+gpu-degrade mode torchpassd's health policy drains it, see drill_gpu.py),
 waits for torchpassd's migration and for the job to finish, runs the same training locally under
 launchpad without a failure, and compares every per-step loss and the final parameter hashes."""
 
@@ -11,24 +12,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from slurm_plugin.connect import open_client, runner_for
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd import drill_gpu
 from torchpassd.ctl_client import DaemonClient
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
-MODES = ("planned-aware",)
+MODES = ("planned-aware", drill_gpu.MODE)
 POLL = 0.5
 TERMINAL = ("succeeded", "failed", "rolled_back")
 
 _JOB_SCRIPT = """#!/bin/bash
 # TorchPass drill: the example DDP job, one worker per node, rendezvous on the batch host.
 export TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config}
-srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:{port} \\
+{prelude}srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:{port} \\
     {example} {args} --log {log}
 """
 
@@ -49,6 +51,7 @@ class DrillReport:
     lost_steps: int | None = None
     bit_identical: bool = False
     error: str | None = None
+    drain_reason: str = ""  # gpu-degrade: why torchpassd drained the node
     workdir: str = ""
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
@@ -57,7 +60,7 @@ class DrillReport:
 class DrillSettings:
     nodes: int = 4
     steps: int = 300
-    step_sleep: float = 0.1
+    step_sleep: float = 0.2
     warmup_steps: int = 5
     rdzv_port: int = 29500
     timeout: float = 600.0
@@ -92,8 +95,10 @@ def compare(run: Path, ref: Path, rank: int, expected_step: int, report: DrillRe
 class Drill:
     """One drill run against the torchpassd configured in ``cfg``."""
 
-    def __init__(self, cfg: Config, settings: DrillSettings, say: Callable[[str], None]) -> None:
-        self.cfg, self.s, self.say = cfg, settings, say
+    def __init__(self, cfg: Config, settings: DrillSettings, say: Callable[[str], None], mode: str = MODES[0]) -> None:
+        self.cfg, self.s, self.say, self.mode = cfg, settings, say, mode
+        if mode == drill_gpu.MODE:  # the replayed GPU must reach its XID while the job still trains
+            self.s = replace(settings, steps=max(settings.steps, drill_gpu.min_steps(cfg, settings.step_sleep)))
         self.daemon = DaemonClient(cfg.orchestrator.control_socket)
         self.runner = runner_for(cfg.slurm)
         self.slurm = open_client(cfg.slurm)
@@ -123,17 +128,28 @@ class Drill:
             self._drain_and_migrate(victim, rank, workdir)
         except TorchPassError as exc:
             rep.error = str(exc)
+        finally:
+            self._cancel()
         rep.ok = (rep.error is None and rep.bit_identical and rep.lost_steps == 0
                   and rep.resumed_at_step == rep.expected_step)
         if rep.workdir:
             (Path(rep.workdir) / "report.json").write_text(json.dumps(asdict(rep), indent=1))
         return rep
 
+    def _cancel(self) -> None:
+        """The drill's job never outlives the drill (it is finished already when all went well)."""
+        if self.report.job_id:
+            try:
+                self.runner.run(["scancel", self.report.job_id])
+            except TorchPassError as exc:
+                self.say(f"[drill] could not cancel job {self.report.job_id}: {exc}")
+
     def _submit(self, workdir: Path) -> None:
         s = self.s
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
-            config=self.cfg.source or "", nodes=s.nodes, port=s.rdzv_port, example=EXAMPLE,
+            config=self.cfg.source or "", prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
+            nodes=s.nodes, port=s.rdzv_port, example=EXAMPLE,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}", log=workdir / "train.log"))
         out = self.runner.run(["sbatch", "--parsable", "--torchpass=aware", f"-N{s.nodes}",
                                "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))
@@ -147,6 +163,10 @@ class Drill:
     def _wait_training(self) -> tuple[str, int]:
         """Until every rank runs and has done a few steps; returns a non-batch node and its rank."""
         def ready() -> dict[str, Any] | None:
+            slurm_job = self.slurm.job(int(self.report.job_id))
+            if slurm_job is not None and not slurm_job.active and slurm_job.state != "PENDING":
+                raise MigrationError(f"the drill job ended {slurm_job.state} before training ran",
+                                     job=self.report.job_id, hint=f"see {self.report.workdir}")
             job = self._job()
             if not job or len(job["launchpads"]) < self.s.nodes:
                 return None
@@ -162,8 +182,14 @@ class Drill:
     def _drain_and_migrate(self, victim: str, rank: int, workdir: Path) -> None:
         rep = self.report
         drained_at = time.time()
-        self.runner.run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=torchpass drill"])
-        self._note(f"drained {victim}")
+        if self.mode == drill_gpu.MODE:
+            rep.drain_reason = self._wait(f"torchpassd to drain {victim} for its GPU",
+                                          lambda: drill_gpu.drain_reason(self.daemon, victim))
+            drained_at = time.time()  # seen by polling; the spare may be chosen within the same poll
+            self._note(f"torchpassd drained {victim}: {rep.drain_reason}")
+        else:
+            self.runner.run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=torchpass drill"])
+            self._note(f"drained {victim}")
         try:
             mig = self._wait(f"the migration off {victim}", lambda: next(
                 (m for m in self.daemon.call("history", job=rep.job_id)
@@ -179,7 +205,7 @@ class Drill:
             raise MigrationError(f"the migration ended {mig['status']}: {mig['error']}", job=rep.job_id)
         chosen = next(p for p in phases if p["phase"] == "spare_chosen")
         resumed = next(p for p in phases if p["phase"] == "resumed")
-        rep.detect_s = round(chosen["at"] - drained_at, 3)
+        rep.detect_s = round(max(0.0, chosen["at"] - drained_at), 3)
         rep.pause_s = resumed["detail"]["pause_s"]
         paused_step = resumed["detail"]["plan"]["paused_step"]
         self._note(f"moved rank {rank} {victim} -> {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s")
@@ -206,6 +232,6 @@ def run(cfg: Config, mode: str, settings: DrillSettings, say: Callable[[str], No
     """Run one drill and return its report as a plain dict."""
     if mode not in MODES:
         raise MigrationError(f"drill mode {mode!r} is not available", hint=f"use one of {', '.join(MODES)}")
-    report = Drill(cfg, settings, say).run()
+    report = Drill(cfg, settings, say, mode).run()
     report.mode = mode
     return asdict(report)

@@ -1,6 +1,7 @@
 """Steps of the demo, each announced on its own line: bring up the dev cluster (5 nodes, the last
 one a spare), show its status, run a 3-node sbatch job that prints each node's hostname and
-address, show the job's output, and leave the cluster up with the command that takes it down."""
+address, show the job's output, run the live-migration drill (torchpassd + `torchpassctl drill`),
+and leave the cluster up with the command that takes it down."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class DemoError(Exception):
 
 
 def step(number: int, text: str) -> None:
-    print(f"\n[demo] step {number}/4: {text}", flush=True)
+    print(f"\n[demo] step {number}/5: {text}", flush=True)
 
 
 def run(argv: list[str], env: dict[str, str], *, capture: bool = False, cwd: Path | None = None,
@@ -33,6 +34,45 @@ def run(argv: list[str], env: dict[str, str], *, capture: bool = False, cwd: Pat
     if res.returncode != 0:
         raise DemoError(f"`{' '.join(map(str, argv))}` failed with status {res.returncode}")
     return res
+
+
+def drill(env: dict[str, str], jobs: Path) -> None:
+    """Start torchpassd for the dev cluster (by PID), run the drill with its timeline, stop it."""
+    import json
+    import signal
+    import time
+
+    info = json.loads(run([sys.executable, str(TOOL), "status", "--json"], env, capture=True).stdout)
+    conf_dir = jobs / "demo-torchpass"
+    conf_dir.mkdir(mode=0o755, exist_ok=True)
+    client_conf = conf_dir / "slurm.conf"  # sbatch with the TorchPass cli_filter, as a site installs it
+    client_conf.write_text(f"include {env['SLURM_CONF']}\nCliFilterPlugins=cli_filter/lua\n")
+    if not (conf_dir / "cli_filter.lua").exists():
+        (conf_dir / "cli_filter.lua").symlink_to(ROOT / "spank" / "cli_filter.lua")
+    config = conf_dir / "torchpass.toml"
+    config.write_text(f'[broker]\nhost = "{info["broker"]["host"]}"\nport = {info["broker"]["port"]}\n'
+                      f'[slurm]\nslurm_conf = "{client_conf}"\n[orchestrator]\nstate_dir = "{conf_dir / "state"}"\n'
+                      f'control_socket = "{conf_dir / "torchpassd.sock"}"\nmetrics_port = 0\n')
+    bindir = Path(sys.executable).parent
+    with open(conf_dir / "torchpassd.log", "ab") as log:
+        daemon = subprocess.Popen([str(bindir / "torchpassd"), "--config", str(config)], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        print(f"[demo] torchpassd pid {daemon.pid}, log {conf_dir / 'torchpassd.log'}", flush=True)
+        deadline = time.monotonic() + 60
+        while not (conf_dir / "torchpassd.sock").exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise DemoError(f"torchpassd did not start; see {conf_dir / 'torchpassd.log'}")
+            time.sleep(0.2)
+        run([str(bindir / "torchpassctl"), "--config", str(config), "drill", "--mode", "planned-aware"], env,
+            timeout=900)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
 
 
 def main() -> int:
@@ -59,6 +99,10 @@ def main() -> int:
 
     step(4, "the job's output: one task per node, each with its own hostname and address")
     print(Path(str(out).replace("%j", job)).read_text(), end="")
+
+    step(5, "live migration drill: torchpassd runs; the example DDP job trains on 4 nodes; one node is "
+            "drained and its rank moves to the spare (torchpassctl drill --mode planned-aware)")
+    drill(env, jobs)
 
     print(f"\n[demo] done. The dev cluster is still up; use it with:\n"
           f"         eval \"$({TOOL} env)\"; sinfo; squeue\n"

@@ -142,7 +142,7 @@ def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
         yield daemon
     finally:
         daemon.stop()
-        devcluster.run("scancel", "--user=root", check=False)
+        devcluster.reset()  # no job left, drained nodes resumed, spares restored
 
 
 class Training:
