@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ class Agent:
             restarts, rnd = restarts + 1, rnd + 1
             self._log.warning("agent.restart", restarts=restarts, max_restarts=spec.max_restarts)
 
-    def _remote_failure(self, rnd: int, nnodes: int) -> Any:
+    def _remote_failure(self, rnd: int, nnodes: int) -> Callable[[], Awaitable[str | None]]:
         """A coroutine function the supervisor calls each tick: another node's failure report."""
         loop = asyncio.get_running_loop()
         last = [loop.time()]
@@ -123,7 +124,7 @@ class Agent:
             return 128 + outcome.signal
         line = f"launchpad: {outcome.describe()} on node {self.node}"
         if outcome.failed is not None:
-            rank, code = outcome.failed
+            code = outcome.failed[1]
             line += f" (run {self.spec.run_id}); other workers were stopped"
             print(line, file=sys.stderr, flush=True)
             return code if code > 0 else 128 - code
