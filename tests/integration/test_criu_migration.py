@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -118,18 +118,29 @@ def job_factory(tmp_path: Path):
         job.cleanup()
 
 
+class Reference:
+    """An uninterrupted run with the same seeds; it trains while the first test's job starts."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.job = Job(tmp, pause_at=0)
+        self._rows: list[list[dict]] | None = None
+
+    def rows(self) -> list[list[dict]]:
+        if self._rows is None:
+            self._rows = self.job.results()
+        return self._rows
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
-    """An uninterrupted run with the same seeds."""
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
     _criu_or_skip()
-    job = Job(tmp_path_factory.mktemp("reference"), pause_at=0)
-    try:
-        return job.results()
-    finally:
-        job.cleanup()
+    ref = Reference(tmp_path_factory.mktemp("reference"))
+    yield ref
+    ref.job.cleanup()
 
 
-def _same_training(got: list[list[dict]], want: list[list[dict]]) -> None:
+def _same_training(got: list[list[dict]], reference: Reference) -> None:
+    want = reference.rows()
     for rank in range(WORLD):
         assert [(r.get("step"), r.get("loss"), r.get("final")) for r in got[rank]] == \
                [(r.get("step"), r.get("loss"), r.get("final")) for r in want[rank]], f"rank {rank} differs"
