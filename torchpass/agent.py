@@ -104,20 +104,24 @@ class Agent:
             elif step == at_step:
                 self._pause = None
                 self._wake = not self._commands.empty()
-                ddps = ddp_layout.live()
-                if not ddps:
-                    self._park_paused(gen)
-                    return
-                # Park when the next iteration's forward starts, so the script's own bookkeeping
-                # after opt.step() (scheduler, step variable, logging) is part of step S everywhere.
-                handles: list[Any] = []
+                self._park_before_next_forward(gen)
 
-                def before_forward(_module: Any, _inputs: Any) -> None:
-                    for h in handles:
-                        h.remove()
-                    self._park_paused(gen)
+    def _park_before_next_forward(self, gen: int) -> None:
+        """Park when the next iteration's DDP forward starts, so that the script's own work after
+        opt.step() (scheduler, its step variable, logging) belongs to step S on every rank, the
+        joiner included. Without DDP, park at once. The hook exists only until it fires."""
+        ddps = ddp_layout.live()
+        if not ddps:
+            self._park_paused(gen)
+            return
+        handles: list[Any] = []
 
-                handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
+        def before_forward(_module: Any, _inputs: Any) -> None:
+            for h in handles:
+                h.remove()
+            self._park_paused(gen)
+
+        handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()
