@@ -127,7 +127,7 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: flo
         click.echo(json.dumps(rep))
     else:
         keys = ("ok", "job_id", "migrated_from", "migrated_to", "detect_s", "pause_s", "resumed_at_step",
-                "expected_step", "lost_steps", "bit_identical", "error")
+                "expected_step", "lost_steps", "bit_identical", "drain_reason", "error")
         for k in keys:
             click.echo(f"{k:>16}: {rep[k]}")
     sys.exit(0 if rep["ok"] else 1)

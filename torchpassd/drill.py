@@ -124,7 +124,7 @@ class Drill:
             workdir.mkdir(parents=True, mode=0o755)
             rep.workdir = str(workdir)
             self._submit(workdir)
-            victim, rank = self._wait_training()
+            victim, rank = self._wait_gpu_drain() if self.mode == drill_gpu.MODE else self._wait_training()
             self._drain_and_migrate(victim, rank, workdir)
         except TorchPassError as exc:
             rep.error = str(exc)
@@ -179,15 +179,21 @@ class Drill:
         self._note(f"training on {', '.join(job['nodes'])}; rank {rank} runs on {victim}")
         return victim, rank
 
+    def _wait_gpu_drain(self) -> tuple[str, int]:
+        """gpu-degrade: until torchpassd's health policy drains one of the job's nodes (the replay
+        may reach its XID before every rank trains); that node and its rank."""
+        rep = self.report
+        victim, rep.drain_reason = self._wait("torchpassd to drain a node for its GPU",
+                                              lambda: drill_gpu.decision(self.daemon, rep.job_id))
+        workers = self._wait(f"the ranks on {victim}",
+                             lambda: (((self._job() or {}).get("launchpads") or {}).get(victim) or {}).get("workers"))
+        self._note(f"torchpassd drained {victim} (rank {workers[0]['rank']}): {rep.drain_reason}")
+        return victim, workers[0]["rank"]
+
     def _drain_and_migrate(self, victim: str, rank: int, workdir: Path) -> None:
         rep = self.report
         drained_at = time.time()
-        if self.mode == drill_gpu.MODE:
-            rep.drain_reason = self._wait(f"torchpassd to drain {victim} for its GPU",
-                                          lambda: drill_gpu.drain_reason(self.daemon, victim))
-            drained_at = time.time()  # seen by polling; the spare may be chosen within the same poll
-            self._note(f"torchpassd drained {victim}: {rep.drain_reason}")
-        else:
+        if self.mode != drill_gpu.MODE:  # in gpu-degrade mode torchpassd drained it (seen by polling)
             self.runner.run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=torchpass drill"])
             self._note(f"drained {victim}")
         try:

@@ -100,7 +100,7 @@ class HealthWatch:
                     for gpu, f in sorted(sample.get("gpus", {}).items())}
             nodes[node] = {"nvml": sample.get("nvml"), "age_s": round(now - float(sample["t"]), 1), "gpus": gpus,
                            "summary": _summary(sample, gpus),
-                           "decision": None if d is None else {"action": d.action, "signal": d.signal,
+                           "decision": None if d is None else {"job": d.job, "action": d.action, "signal": d.signal,
                                                                "reason": d.reason, "at": d.at}}
         return nodes
 
