@@ -19,16 +19,17 @@ from torchpass_common.config import HealthConfig
 from torchpass_common.errors import ProtocolError, TorchPassError
 from torchpassd.health_policy import Decision, HealthPolicy
 from torchpassd.journal import Journal
+from torchpassd.metrics import Counter
 
 DrainFn = Callable[[str, str], Awaitable[None]]  # (node, reason)
 MigrateFn = Callable[[str, str, str], None]  # (job, node, reason)
 
 
 class HealthWatch:
-    """One per torchpassd. ``counter`` is the decisions metric (``inc(signal=, action=)``)."""
+    """One per torchpassd. ``counter`` is the decisions metric (labels signal, action)."""
 
     def __init__(self, cfg: HealthConfig, journal: Journal, *, drain: DrainFn, migrate: MigrateFn,
-                 counter: Any) -> None:
+                 counter: Counter) -> None:
         self.policy = HealthPolicy(cfg)
         self.journal, self.drain, self.migrate, self.counter = journal, drain, migrate, counter
         self._decoders: dict[tuple[str, str], DeltaDecoder] = {}
