@@ -74,6 +74,8 @@ def slurm_conf(inst: Instance, host: HostInfo) -> str:
     ]
     if host.has_jwt:  # lets slurmrestd authenticate clients with `scontrol token` JWTs
         lines += ["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={jwt_key(inst)}"]
+    if host.has_cli_filter_lua:  # spank/cli_filter.lua: --no-kill and the job marker for --torchpass
+        lines.append("CliFilterPlugins=cli_filter/lua")
     if host.has_switch_none:  # gone from newer releases, where no SwitchType means none
         lines.append("SwitchType=switch/none")
     for node in inst.node_names:
@@ -162,6 +164,10 @@ def write_all(inst: Instance, host: HostInfo) -> None:
         files["cgroup.conf"] = "CgroupPlugin=disabled\n"
     for name, text in files.items():
         Path(inst.etc, name).write_text(text)
+    # Slurm's clients read cli_filter.lua from beside slurm.conf.
+    filter_link = inst.etc / "cli_filter.lua"
+    filter_link.unlink(missing_ok=True)
+    filter_link.symlink_to(REPO / "spank" / "cli_filter.lua")
     private = [inst.etc / "slurmdbd.conf"]  # slurmdbd refuses a config others can read
     if host.has_jwt:
         jwt_key(inst).write_bytes(secrets.token_bytes(32))

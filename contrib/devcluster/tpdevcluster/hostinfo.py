@@ -45,6 +45,10 @@ class HostInfo:
         return Path(self.plugin_dir, "auth_jwt.so").exists()
 
     @property
+    def has_cli_filter_lua(self) -> bool:
+        return Path(self.plugin_dir, "cli_filter_lua.so").exists()
+
+    @property
     def has_switch_none(self) -> bool:
         return Path(self.plugin_dir, "switch_none.so").exists()
 
