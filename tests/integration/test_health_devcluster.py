@@ -1,7 +1,8 @@
-"""GPU health end to end on the dev cluster (real Slurm, real mosquitto, real torchpassd): one
-node's launchpad replays a degrading GPU (corrected ECC climbing, then XID 79, then the GPU lost)
-through the fake NVML; torchpassd drains that node in Slurm with a reason naming the XID, the
-planned migration moves its rank to the spare, and training stays bit-identical."""
+"""GPU health end to end on the dev cluster (real Slurm, real mosquitto, real torchpassd), through
+``torchpassctl drill --mode gpu-degrade``: the job's last node replays a degrading GPU (corrected
+ECC climbing, then XID 79, then the GPU lost) through the fake NVML; torchpassd drains that node
+in Slurm with a reason naming the XID, ``torchpassctl nodes`` shows why and each node's GPU health,
+and the planned migration moves the rank to the spare with training bit-identical."""
 
 from __future__ import annotations
 
@@ -12,55 +13,44 @@ from pathlib import Path
 
 import pytest
 
-from launchpad.telemetry.sampler import REPLAY_ENV
-from tests.e2e.conftest import (  # noqa: F401 - pytest fixtures shared with the e2e tests
-    Daemon,
-    Training,
-    assert_bit_identical,
-    e2e_dir,
-    reference,
-    torchpassd,
-    tp_config,
-    wait_until,
-)
+from tests.e2e.conftest import Daemon, e2e_dir, torchpassd, tp_config, wait_until  # noqa: F401 - fixtures
 from tests.support.devcluster import DevCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-STEPS, STEP_SLEEP = 240, 0.15
-VICTIM = "n3"  # not the batch host (n1) nor the spare (n5)
+TORCHPASSCTL = str(Path(sys.executable).parent / "torchpassctl")
+VICTIM = "n4"  # the drill degrades the job's last node (n1 is the batch host, n5 the spare)
 REASON = "torchpass: GPU0 XID 79 (fell off the bus)"
 
 
-def test_a_degrading_gpu_drains_its_node_and_the_rank_moves_first(
-        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, e2e_dir: Path,  # noqa: F811
-        reference, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001, F811 - fixture factory
-    workdir = e2e_dir / "health-degrading"
-    workdir.mkdir(mode=0o755, exist_ok=True)
-    (workdir / "train.log").unlink(missing_ok=True)
-    config = workdir / "torchpass.toml"  # the cluster's config, launchpads sampling every second
+def test_gpu_degrade_drill_drains_the_node_naming_the_xid_and_migrates_first(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, e2e_dir: Path) -> None:  # noqa: F811
+    config = e2e_dir / "health-drill.toml"  # the cluster's config, launchpads sampling every second
     config.write_text(tp_config.read_text() + "[health]\nsample_interval = 1.0\n")
-    monkeypatch.setitem(devcluster.env, REPLAY_ENV, f"{VICTIM}={ROOT / 'contrib' / 'health' / 'degrading.json'}")
+    ctl = [TORCHPASSCTL, "--config", str(config)]
+
+    def nodes() -> dict[str, dict[str, str]]:
+        res = subprocess.run([*ctl, "nodes", "--json"], capture_output=True, text=True, timeout=60, check=True)
+        return {n["node"]: n for n in json.loads(res.stdout)["nodes"]}
+
+    drill = subprocess.Popen([*ctl, "drill", "--mode", "gpu-degrade", "--json", "--step-sleep", "0.15"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        job = Training(devcluster, config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
-        job.wait_running(torchpassd, min_step=1)
-
-        wait_until(f"{VICTIM} drained by torchpassd", lambda: devcluster.node_state(VICTIM) in ("draining", "drained"),
-                   timeout=60)
-        nodes = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config),
-                                "nodes", "--json"], capture_output=True, text=True, timeout=60, check=True)
-        row = next(n for n in json.loads(nodes.stdout)["nodes"] if n["node"] == VICTIM)
-        assert row["reason"] == REASON, row
-
-        health = torchpassd.call("health")
-        assert health[VICTIM]["decision"]["reason"] == REASON
-        assert health[VICTIM]["decision"]["signal"] == "xid"
-        assert all(d["decision"] is None for n, d in health.items() if n != VICTIM)  # no NVML there: nothing
-
-        mig = torchpassd.wait_migration(job.job, VICTIM)
-        assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
-        assert REASON in mig["reason"]
-        assert_bit_identical(job.wait_done(), reference(STEPS))
+        # the replay goes on after the XID: the GPU is lost two samples later, the node already drained
+        rows = wait_until("torchpassctl nodes to show the lost GPU",
+                          lambda: (r := nodes())[VICTIM]["gpu"] == "GPU0 not answering" and r, timeout=300, every=1)
+        assert rows[VICTIM]["reason"] == REASON and "DRAIN" in rows[VICTIM]["state"], rows[VICTIM]
+        assert rows["n1"]["gpu"] == "no NVML"  # this machine's real NVML: absent, said once, nothing else
+        out, err = drill.communicate(timeout=600)
     finally:
-        devcluster.resume(VICTIM)
+        if drill.poll() is None:
+            drill.kill()
+            drill.wait(10)
+            devcluster.resume(VICTIM)
+    assert out, f"the drill printed no report (exit {drill.returncode}): {err[-3000:]}"
+    report = json.loads(out)
+    assert drill.returncode == 0, (report, err[-2000:])
+    assert (report["mode"], report["drain_reason"], report["migrated_from"], report["migrated_to"]) == \
+        ("gpu-degrade", REASON, VICTIM, "n5"), report
+    assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert devcluster.node_state(VICTIM) in ("idle", "mixed", "allocated")  # the drill resumed it
