@@ -103,7 +103,7 @@ class Drill:
         self.runner = runner_for(cfg.slurm)
         self.slurm = open_client(cfg.slurm)
         self.t0 = time.monotonic()
-        self.report = DrillReport()
+        self.report = DrillReport(mode=mode)  # report.json names the mode too
 
     def _wait(self, what: str, check: Callable[[], Any], timeout: float | None = None) -> Any:
         deadline = time.monotonic() + (timeout or self.s.timeout)
