@@ -229,6 +229,8 @@ async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch) -> N
     async for e in watcher.events():
         if isinstance(e, ev.NodeReturned):
             health.node_returned(e.node)
+        elif isinstance(e, ev.JobEnded):
+            health.job_ended(str(e.job))
         try:
             await orch.on_slurm(e)
         except TorchPassError as exc:

@@ -71,6 +71,11 @@ class HealthWatch:
             self._log.info("health.cleared", node=node)
         self.policy.clear(node)
 
+    def job_ended(self, job: str) -> None:
+        """Forget the job's telemetry streams (each node keeps its last known GPU health)."""
+        for key in [k for k in self._decoders if k[0] == job]:
+            del self._decoders[key]
+
     async def _act(self, d: Decision) -> None:
         self._log.warning("health.decision", job=d.job, node=d.node, gpu=d.gpu, signal=d.signal,
                           action=d.action, reason=d.reason)

@@ -181,6 +181,10 @@ def test_health_watch_summarises_each_node_for_operators(tmp_path: Path) -> None
             await watch.on_heartbeat("7", "n2", {"gpu": DeltaEncoder().encode(no_gpu.sample())})
             broken = {"s": 1, "t": 0.0, "n": "failed", "w": "nvmlInit: Unknown Error", "g": {}}
             await watch.on_heartbeat("7", "n3", {"gpu": broken})
+            seen = watch.policy.latest["n1"]["t"]
+            watch.job_ended("7")  # its streams are forgotten (a delta no longer applies); node health stays
+            assert await watch.on_heartbeat("7", "n1", {"gpu": enc.encode(collector.sample())}) is None
+            assert watch.policy.latest["n1"]["t"] == seen
             view = watch.describe()
             assert view["n3"]["summary"] == "NVML failed: nvmlInit: Unknown Error"
             assert view["n1"]["summary"] == "ok (2 GPUs, max 66 C)" and view["n1"]["decision"] is None
