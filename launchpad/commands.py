@@ -77,8 +77,13 @@ class Commands:
     async def pause(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Park every (non-joining) worker after optimizer step ``at_step``."""
         at_step, pgen = _int_arg(args, "at_step"), _int_arg(args, "gen", gen)
+        links = self._links(include_joiners=False)
+        ahead = {lk.rank: lk.step for lk in links if lk.step >= at_step}
+        if ahead:  # refuse at once rather than park some ranks while others run into their collective
+            raise MigrationError(f"ranks {sorted(ahead)} already completed step {at_step}", node=self.agent.node,
+                                 gen=pgen, hint=f"pick a later step; their steps: {ahead}")
         replies = await self._all(
-            self._links(include_joiners=False), lambda _: ac.message(ac.PAUSE, gen=pgen, at_step=at_step),
+            links, lambda _: ac.message(ac.PAUSE, gen=pgen, at_step=at_step),
             lambda r: r["t"] in (ac.PAUSED, ac.PAUSE_MISSED) and r["gen"] == pgen, self.agent.timeouts.reform)
         steps = {str(rank): r["step"] for rank, r in replies.items()}
         missed = sorted(rank for rank, r in replies.items() if r["t"] == ac.PAUSE_MISSED)
