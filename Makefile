@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) with torch (CPU) and the project"
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@$(VPY) -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-	@$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]' > $(VENV)/pip-install.log 2>&1 \
+	  || { cat $(VENV)/pip-install.log; echo "[setup] pip install failed (log: $(VENV)/pip-install.log)"; exit 1; }
 	@touch $(STAMP)
 
 spank:
