@@ -1,19 +1,18 @@
-"""The dev cluster's one exception type. It mirrors torchpass_common.errors (what failed,
-where, what to do) without importing it, because this tool must run before the venv exists."""
+"""The dev cluster's one exception type, a TorchPassError (what failed, where, what to do).
+torchpass_common.errors uses only the standard library, so this tool still runs before any venv
+exists; the repository root is put on sys.path for it."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
-class DevClusterError(Exception):
+_REPO = str(Path(__file__).resolve().parents[3])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from torchpass_common.errors import TorchPassError  # noqa: E402
+
+
+class DevClusterError(TorchPassError):
     """A dev cluster operation failed; ``where`` names the instance/node/daemon, ``hint`` the fix."""
-
-    def __init__(self, message: str, *, hint: str | None = None, **where: object) -> None:
-        self.message = message
-        self.hint = hint
-        self.where = {k: v for k, v in where.items() if v is not None}
-        parts = [message]
-        if self.where:
-            parts.append("(" + ", ".join(f"{k}={v}" for k, v in self.where.items()) + ")")
-        if hint:
-            parts.append(f"- {hint}")
-        super().__init__(" ".join(parts))
