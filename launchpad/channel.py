@@ -87,6 +87,8 @@ class ChannelServer:
         if "step" in msg:
             link.step = msg["step"]
         link.state = _STATE_AFTER.get(kind, link.state)
+        if kind == ac.RESUMED:  # a joiner that resumed with the group is a member like any other
+            link.joining = False
         if kind == ac.ERROR:
             self._log.error("channel.worker_error", rank=link.rank, pid=link.pid, error=msg["msg"])
         link.replies.put_nowait(msg)

@@ -80,9 +80,6 @@ def test_drill_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path)
     assert 0 <= report["detect_s"] < 10 and 0 < report["pause_s"] < 30, report
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "launchpad keeps WorkerLink.joining True after a joiner joined, so its pause (and abort) skip that rank "
-    "forever: the second migration cannot pause the first one's joiner (torchpassd then rolls back)"))
 def test_two_migrations_in_a_row(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path,
                                  reference) -> None:  # noqa: ANN001 - fixture factory
     job = training(devcluster, tp_config, workdir, torchpassd)
