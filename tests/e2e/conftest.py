@@ -45,18 +45,10 @@ def e2e_dir(tmp_path_factory: pytest.TempPathFactory, devcluster: DevCluster) ->
 
 @pytest.fixture(scope="session")
 def tp_config(devcluster: DevCluster, e2e_dir: Path) -> Path:
-    """torchpass.toml for this dev cluster, with a client slurm.conf enabling cli_filter.lua."""
+    """torchpass.toml for this dev cluster (whose slurm.conf enables the TorchPass cli_filter)."""
     subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)
-    conf = Path(devcluster.slurm_conf)
-    client_conf = conf
-    if "CliFilterPlugins=cli_filter/lua" not in conf.read_text():
-        d = e2e_dir / "slurmclient"
-        d.mkdir(mode=0o755, exist_ok=True)
-        (d / "slurm.conf").write_text(f"include {conf}\nCliFilterPlugins=cli_filter/lua\n")
-        link = d / "cli_filter.lua"
-        if not link.exists():
-            link.symlink_to(ROOT / "spank" / "cli_filter.lua")
-        client_conf = d / "slurm.conf"
+    client_conf = Path(devcluster.slurm_conf)
+    assert "CliFilterPlugins=cli_filter/lua" in client_conf.read_text(), f"{client_conf} lacks the cli_filter"
     broker = devcluster.info["broker"]
     path = e2e_dir / "torchpass.toml"
     path.write_text(

@@ -5,11 +5,8 @@ TorchPass job survives one of its nodes going down."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,21 +23,13 @@ SHIM = str(ROOT / "spank" / "shim")
 
 
 @pytest.fixture(scope="session")
-def torchpass_conf(devcluster: DevCluster) -> Iterator[str]:
-    """A client slurm.conf for the cluster with spank/cli_filter.lua enabled, as a site installs
-    it (cli_filter runs in sbatch/salloc/srun, so only the clients need it). Builds the plugin.
-    It lives in the cluster's jobs dir: job users other than root must be able to read it."""
+def torchpass_conf(devcluster: DevCluster) -> str:
+    """The cluster's slurm.conf, which enables spank/cli_filter.lua as a site installs it
+    (cli_filter runs in sbatch/salloc/srun, so only the clients need it). Builds the plugin."""
     subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)
     conf = Path(devcluster.slurm_conf)
-    if "CliFilterPlugins=cli_filter/lua" in conf.read_text():
-        yield str(conf)
-        return
-    d = Path(tempfile.mkdtemp(prefix="tpconf-", dir=devcluster.jobs_dir))
-    d.chmod(0o755)
-    (d / "slurm.conf").write_text(f"include {conf}\nCliFilterPlugins=cli_filter/lua\n")
-    (d / "cli_filter.lua").symlink_to(ROOT / "spank" / "cli_filter.lua")
-    yield str(d / "slurm.conf")
-    shutil.rmtree(d, ignore_errors=True)
+    assert "CliFilterPlugins=cli_filter/lua" in conf.read_text(), f"{conf} does not enable the cli_filter"
+    return str(conf)
 
 
 def submit(cluster: DevCluster, conf: str, script: str, *args: str, user: str = "") -> tuple[str, Path]:
