@@ -37,7 +37,7 @@ class Timeouts:
                     hint="timeouts must nest: collective < step < reform < decision")
         if self.heartbeat_interval <= 0 or self.heartbeat_missed < 1:
             raise ConfigError("timeouts.heartbeat_interval must be > 0 and heartbeat_missed >= 1")
-        if self.heartbeat_interval * self.heartbeat_missed >= self.decision:
+        if self.heartbeat_dead_after >= self.decision:
             raise ConfigError(
                 f"heartbeat loss detection ({self.heartbeat_interval} s x {self.heartbeat_missed}) "
                 f"must be shorter than timeouts.decision ({self.decision} s)")
