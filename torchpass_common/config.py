@@ -29,6 +29,8 @@ class BrokerConfig:
     username: str = ""
     password_file: str = ""
     tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
     keepalive: int = 5
 
 
@@ -60,6 +62,8 @@ class OrchestratorConfig:
     control_group: str = ""
     metrics_port: int = 9464
     drills_enabled: bool = False
+    credentials_endpoint: str = ""  # HOST:PORT where torchpassd hands launchpads their job's broker account
+    munge_socket: str = ""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ class BrokerUnavailableError(TorchPassError):
     """The broker could not be reached (or the connection kept dropping) within a deadline."""
 
 
-def _broker_credentials(cfg: BrokerConfig) -> tuple[str | None, str | None, ssl.SSLContext | None]:
+def broker_credentials(cfg: BrokerConfig) -> tuple[str | None, str | None, ssl.SSLContext | None]:
+    """(username, password, TLS context) from ``cfg``; the TLS context verifies the broker against
+    broker.tls_ca and presents broker.tls_cert/tls_key when they are set."""
     password = None
     if cfg.password_file:
         try:
@@ -46,25 +48,34 @@ def _broker_credentials(cfg: BrokerConfig) -> tuple[str | None, str | None, ssl.
             tls = ssl.create_default_context(cafile=cfg.tls_ca)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"cannot load broker.tls_ca {cfg.tls_ca}: {exc}") from exc
+        if cfg.tls_cert:
+            try:
+                tls.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"cannot load broker.tls_cert {cfg.tls_cert} / tls_key {cfg.tls_key}: {exc}") from exc
     return cfg.username or None, password, tls
 
 
 class ControlClient:
     """Async context manager holding one logical MQTT session that outlives broker restarts.
 
-    ``will=(topic, payload)`` is published retained at QoS 1 by the broker when this client
+    ``credentials=(username, password)`` replaces those of ``broker_cfg`` (a launchpad's per-job
+    account). ``will=(topic, payload)`` is published retained at QoS 1 by the broker when this client
     vanishes uncleanly. ``on_connect(client)`` runs after every (re)connection, once the
     subscriptions are back, e.g. to re-publish a retained online state. Entering does not wait
     for the broker: use :meth:`wait_connected` where that matters.
     """
 
     def __init__(self, broker_cfg: BrokerConfig, client_id: str, *,
-                 will: tuple[str, bytes] | None = None, on_connect: OnConnect | None = None) -> None:
+                 will: tuple[str, bytes] | None = None, on_connect: OnConnect | None = None,
+                 credentials: tuple[str, str] | None = None) -> None:
         self._cfg = broker_cfg
         self.client_id = client_id
         self._will = aiomqtt.Will(will[0], will[1], qos=1, retain=True) if will else None
         self._on_connect = on_connect
-        self._username, self._password, self._tls = _broker_credentials(broker_cfg)
+        self._username, self._password, self._tls = broker_credentials(broker_cfg)
+        if credentials:
+            self._username, self._password = credentials
         self._filters: list[str] = []
         self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._client: aiomqtt.Client | None = None

@@ -1,10 +1,13 @@
 """pytest plugin: a real, private mosquitto broker per test (fixture ``mosquitto``).
 Owns starting it on a free loopback port, stopping it by PID, and restarting it on the same
 port (for reconnect tests). The broker's own log is kept in the test's tmp dir for diagnosis.
-Usable outside pytest too (benchmarks): ``with Mosquitto(workdir) as broker: ...``."""
+Usable outside pytest too (benchmarks): ``with Mosquitto(workdir) as broker: ...``.
+``Mosquitto(workdir, auth=True, tls=(ca, cert, key))`` runs it as torchpassd broker-setup would
+(dynamic security, no anonymous access, optional TLS); fixture ``secure_mosquitto``."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -29,9 +32,11 @@ def _free_port() -> int:
 
 
 class Mosquitto:
-    """One mosquitto process listening on 127.0.0.1:``port`` (anonymous, no persistence)."""
+    """One mosquitto process listening on 127.0.0.1:``port`` (anonymous unless ``auth``, no
+    persistence; with ``auth`` the dynamic security file keeps accounts across restarts)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, *, auth: bool = False,
+                 tls: tuple[str, str, str] | None = None) -> None:
         exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not os.access(exe, os.X_OK):
             raise RuntimeError("mosquitto is not installed: run `make setup` (contrib/install/install-deps.sh)")
@@ -43,13 +48,25 @@ class Mosquitto:
         self.conf = self.workdir / "mosquitto.conf"
         self.logfile = self.workdir / "mosquitto.log"
         # log_dest stdout: as root mosquitto drops to user mosquitto and could not open a log file.
-        self.conf.write_text(f"listener {self.port} {self.host}\nallow_anonymous true\n"
-                             "persistence false\nlog_dest stdout\nlog_type all\n")
+        common = "persistence false\nlog_dest stdout\nlog_type all\n"
+        self.files = None
+        self.tls_ca = tls[0] if tls else ""
+        if auth:
+            from torchpassd.broker_auth import write_broker_files
+            self.files = write_broker_files(self.workdir, port=self.port, host=self.host, tls=tls,
+                                            broker_user=getpass.getuser())
+            self.conf = self.files.conf
+            self.conf.write_text(self.conf.read_text() + common)
+        else:
+            self.conf.write_text(f"listener {self.port} {self.host}\nallow_anonymous true\n" + common)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def config(self, keepalive: int = 5) -> BrokerConfig:
-        """A BrokerConfig pointing at this broker."""
-        return BrokerConfig(host=self.host, port=self.port, keepalive=keepalive)
+        """A BrokerConfig pointing at this broker (as torchpassd, the admin, where ``auth``)."""
+        if self.files is None:
+            return BrokerConfig(host=self.host, port=self.port, keepalive=keepalive, tls_ca=self.tls_ca)
+        return BrokerConfig(host=self.host, port=self.port, keepalive=keepalive, tls_ca=self.tls_ca,
+                            username="torchpassd", password_file=str(self.files.password_file))
 
     def start(self) -> None:
         """Start the broker and wait until it accepts TCP connections."""
@@ -100,4 +117,11 @@ class Mosquitto:
 def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     """A running private mosquitto; stopped (by PID) after the test."""
     with Mosquitto(tmp_path / "mosquitto") as broker:
+        yield broker
+
+
+@pytest.fixture
+def secure_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A running private mosquitto with authentication and ACLs (dynamic security plugin)."""
+    with Mosquitto(tmp_path / "mosquitto", auth=True) as broker:
         yield broker

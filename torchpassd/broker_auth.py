@@ -1,0 +1,219 @@
+"""Broker authentication and authorisation through mosquitto's dynamic security plugin: the
+broker's files (mosquitto.conf fragment, the plugin's JSON with torchpassd's admin client and a
+default-deny ACL), and at run time one client + role per job, confined to torchpass/v1/jobs/<job>/#,
+created when the job starts and deleted when it ends (over the plugin's $CONTROL topic). A job's
+password is derived from a secret in torchpassd's state dir, so a restarted torchpassd agrees."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import os
+import pwd
+import secrets
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import click
+
+from torchpass_common import log, mqtt, protocol
+from torchpass_common.config import BrokerConfig
+from torchpass_common.errors import ConfigError, TorchPassError
+
+DYNSEC_PLUGIN = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
+CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
+ADMIN_ROLE = "torchpassd"
+JOB_PREFIX = "tp-job-"
+PBKDF2_ITERATIONS = 101  # what mosquitto_ctrl writes; the plugin reads the count from the file
+CALL_TIMEOUT = 10.0
+_OWNED = ("publishClientSend", "publishClientReceive", "subscribePattern", "unsubscribePattern")
+
+
+class BrokerAuthError(TorchPassError):
+    """The broker's dynamic security plugin refused or did not answer a command."""
+
+
+def _acls(topic_filter: str) -> list[dict[str, Any]]:
+    return [{"acltype": t, "topic": topic_filter, "allow": True} for t in _OWNED]
+
+
+def hashed(password: str, salt: bytes | None = None) -> dict[str, Any]:
+    """``password``, salt and iterations as the plugin stores them (PBKDF2-SHA512, base64)."""
+    salt = salt or os.urandom(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, PBKDF2_ITERATIONS, 64)
+    return {"password": base64.b64encode(digest).decode(), "salt": base64.b64encode(salt).decode(),
+            "iterations": PBKDF2_ITERATIONS}
+
+
+def dynsec_document(admin_user: str, admin_password: str) -> dict[str, Any]:
+    """The plugin's initial state: torchpassd's admin client (administers the plugin, reads and
+    writes every TorchPass topic), nothing for anyone else (default deny for publish/subscribe)."""
+    role = {"rolename": ADMIN_ROLE, "acls": [*_acls(f"{CONTROL_TOPIC.rsplit('/', 1)[0]}/#"),
+                                             *_acls(f"{protocol.TOPIC_ROOT.split('/', 1)[0]}/#")]}
+    client = {"username": admin_user, "textName": "torchpassd (admin)", **hashed(admin_password),
+              "roles": [{"rolename": ADMIN_ROLE}]}
+    return {"clients": [client], "roles": [role], "groups": [],
+            "defaultACLAccess": {"publishClientSend": False, "publishClientReceive": True,
+                                 "subscribe": False, "unsubscribe": True}}
+
+
+@dataclass(frozen=True)
+class BrokerFiles:
+    conf: Path
+    dynsec: Path
+    password_file: Path
+
+
+def write_broker_files(directory: str | os.PathLike[str], *, port: int, host: str = "",
+                       admin_user: str = "torchpassd", tls: tuple[str, str, str] | None = None,
+                       broker_user: str = "mosquitto", plugin: Path = DYNSEC_PLUGIN) -> BrokerFiles:
+    """Write mosquitto.conf (authenticated listener, the dynamic security plugin, TLS when ``tls``
+    = (ca, cert, key) is given), dynamic-security.json and torchpassd's password file (0600) into
+    ``directory``. The admin password is fresh; the files are the broker's state from then on.
+    mosquitto runs as ``broker_user`` and rewrites the plugin's file: run as root, this gives it
+    the directory and that file."""
+    if not plugin.exists():
+        raise ConfigError(f"mosquitto's dynamic security plugin {plugin} is missing",
+                          hint="install mosquitto 2.0 or newer (Debian: apt install mosquitto)")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(24)
+    files = BrokerFiles(d / "mosquitto.conf", d / "dynamic-security.json", d / "broker.password")
+    for path, text in ((files.password_file, password + "\n"),
+                       (files.dynsec, json.dumps(dynsec_document(admin_user, password), indent=1))):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    if os.geteuid() == 0 and broker_user != "root":
+        try:
+            pw = pwd.getpwnam(broker_user)
+        except KeyError:
+            raise ConfigError(f"the broker's user {broker_user} does not exist",
+                              hint="install mosquitto or pass the user mosquitto runs as") from None
+        for path in (d, files.dynsec):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+    lines = [f"user {broker_user}", f"listener {port} {host}".rstrip(), "allow_anonymous false",
+             "per_listener_settings false",
+             f"plugin {plugin}", f"plugin_opt_config_file {files.dynsec}"]
+    if tls:
+        ca, cert, key = tls
+        lines += [f"cafile {ca}", f"certfile {cert}", f"keyfile {key}", "tls_version tlsv1.2"]
+    files.conf.write_text("# written by torchpassd.broker_auth: authenticated TorchPass broker\n"
+                          + "\n".join(lines) + "\n")
+    return files
+
+
+class BrokerAdmin:
+    """torchpassd's side of per-job broker credentials. ``cfg`` must name the admin client
+    (username + password_file); ``secret_path`` holds the key job passwords are derived from
+    (created 0600 on first use)."""
+
+    def __init__(self, cfg: BrokerConfig, secret_path: str | os.PathLike[str]) -> None:
+        if not cfg.username or not cfg.password_file:
+            raise ConfigError("per-job broker credentials need torchpassd's own broker account",
+                              hint="set broker.username and broker.password_file (python -m torchpassd.broker_auth writes them)")
+        self.cfg = cfg
+        self._secret = self._load_secret(Path(secret_path))
+        self.log = log.get()
+
+    @staticmethod
+    def _load_secret(path: Path) -> bytes:
+        try:
+            return bytes.fromhex(path.read_text().strip())
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key = secrets.token_bytes(32)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key.hex())
+            return key
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the broker credential secret {path}: {exc}",
+                              hint="delete it to make a new one (running jobs then need new credentials)") from exc
+
+    @staticmethod
+    def username(job: str) -> str:
+        return JOB_PREFIX + job
+
+    def password(self, job: str) -> str:
+        return hmac.new(self._secret, f"broker-password:{job}".encode(), hashlib.sha256).hexdigest()
+
+    async def ensure_job(self, job: str) -> tuple[str, str]:
+        """Create (or repair) ``job``'s client and role; returns (username, password)."""
+        name, password = self.username(job), self.password(job)
+        await self._call([
+            {"command": "createRole", "rolename": name, "acls": _acls(protocol.job_filter(job))},
+            {"command": "createClient", "username": name, "password": password,
+             "textName": f"TorchPass job {job}", "roles": [{"rolename": name}]},
+            {"command": "setClientPassword", "username": name, "password": password}],
+            tolerate=("already exists",))
+        self.log.info("broker.job_credentials_created", job=job, username=name)
+        return name, password
+
+    async def remove_job(self, job: str) -> None:
+        """Delete ``job``'s client (the broker disconnects its sessions) and role."""
+        name = self.username(job)
+        await self._call([{"command": "deleteClient", "username": name},
+                          {"command": "deleteRole", "rolename": name}], tolerate=("not found",))
+        self.log.info("broker.job_credentials_removed", job=job, username=name)
+
+    async def list_clients(self) -> list[str]:
+        reply = await self._call([{"command": "listClients", "verbose": False, "count": -1, "offset": 0}])
+        return list(reply[0].get("data", {}).get("clients", []))
+
+    async def _call(self, commands: list[dict[str, Any]], *, tolerate: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        corr = uuid.uuid4().hex
+        for i, c in enumerate(commands):
+            c["correlationData"] = f"{corr}-{i}"
+        username, password, tls = mqtt.broker_credentials(self.cfg)
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT), aiomqtt.Client(
+                    self.cfg.host, self.cfg.port, username=username, password=password, tls_context=tls,
+                    identifier=f"torchpassd-admin-{corr[:8]}", timeout=CALL_TIMEOUT) as client:
+                await client.subscribe(f"{CONTROL_TOPIC}/response", qos=1)
+                await client.publish(CONTROL_TOPIC, json.dumps({"commands": commands}), qos=1)
+                async for message in client.messages:
+                    reply = json.loads(bytes(message.payload)).get("responses", [])
+                    if reply and str(reply[0].get("correlationData", "")).startswith(corr):
+                        break
+        except (TimeoutError, aiomqtt.MqttError, OSError, ValueError) as exc:
+            raise BrokerAuthError(f"the broker's dynamic security plugin did not answer {commands[0]['command']}: "
+                                  f"{exc or type(exc).__name__}",
+                                  hint="check that mosquitto runs with the plugin and broker.username is its admin") from exc
+        failed = [r for r in reply if r.get("error") and not any(t in r["error"] for t in tolerate)]
+        if failed:
+            raise BrokerAuthError(f"the broker refused {failed[0].get('command')}: {failed[0]['error']}",
+                                  hint="see mosquitto's log")
+        return reply
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--port", type=int, default=1883, show_default=True, help="Port of the broker's listener.")
+@click.option("--host", default="", help="Address to listen on (default: all).")
+@click.option("--admin-user", default="torchpassd", show_default=True, help="torchpassd's broker account.")
+@click.option("--broker-user", default="mosquitto", show_default=True, help="User mosquitto runs as.")
+@click.option("--tls", nargs=3, type=click.Path(dir_okay=False), default=None, metavar="CA CERT KEY",
+              help="Serve TLS with this CA, certificate and key.")
+def main(directory: str, port: int, host: str, admin_user: str, broker_user: str,
+         tls: tuple[str, str, str] | None) -> None:
+    """Write an authenticated broker's files into DIRECTORY: mosquitto.conf (include it from
+    /etc/mosquitto/conf.d), the dynamic security file, and torchpassd's password file."""
+    try:
+        files = write_broker_files(directory, port=port, host=host, admin_user=admin_user,
+                                   broker_user=broker_user, tls=tls or None)
+    except (TorchPassError, OSError) as exc:
+        click.echo(f"torchpassd.broker_auth: {exc}", err=True)
+        raise SystemExit(1) from None
+    click.echo(f"wrote {files.conf}, {files.dynsec}, {files.password_file}\n"
+               f"torchpassd's config: [broker] username = \"{admin_user}\", password_file = \"{files.password_file}\"")
+
+
+if __name__ == "__main__":
+    main()
