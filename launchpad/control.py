@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchpad.commands import Commands
 from launchpad.telemetry.sampler import Sampler
-from torchpass_common import log, mqtt, protocol
+from torchpass_common import job_credentials, log, mqtt, protocol
 from torchpass_common.errors import TorchPassError
 
 if TYPE_CHECKING:
@@ -31,14 +31,23 @@ class ControlPlane:
         self._order = asyncio.Lock()
         self._seq = 0
         self._log = log.get(job=self.job, node=self.node)
-        will = protocol.encode(protocol.STATE, job=self.job, gen=agent.gen, body={"node": self.node, "online": False})
-        self.client = mqtt.ControlClient(agent.config.broker, f"launchpad-{self.job}-{self.node}-{os.getpid()}",
-                                         will=(protocol.state_topic(self.job, self.node), will),
-                                         on_connect=self._announce)
+        self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
 
+    def _client(self, credentials: tuple[str, str] | None) -> mqtt.ControlClient:
+        will = protocol.encode(protocol.STATE, job=self.job, gen=self.agent.gen, body={"node": self.node, "online": False})
+        return mqtt.ControlClient(self.agent.config.broker, f"launchpad-{self.job}-{self.node}-{os.getpid()}",
+                                  will=(protocol.state_topic(self.job, self.node), will), on_connect=self._announce,
+                                  credentials=credentials)
+
     async def __aenter__(self) -> ControlPlane:
+        orch = self.agent.config.orchestrator
+        if orch.credentials_endpoint and not self.agent.config.broker.username:
+            # The job's own broker account, for a munge proof of this job and node (job_credentials).
+            self.client = self._client(await job_credentials.fetch(
+                orch.credentials_endpoint, self.job, self.node, munge_socket=orch.munge_socket,
+                wait=self.agent.timeouts.reform))
         await self.client.__aenter__()
         await self.client.subscribe(protocol.cmd_topic(self.job, self.node))
         await self.telemetry.__aenter__()

@@ -17,14 +17,17 @@ import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiomqtt
 import click
 
+from slurm_plugin import events as ev
+from slurm_plugin.client import SlurmClient
 from torchpass_common import log, mqtt, protocol
-from torchpass_common.config import BrokerConfig
+from torchpass_common.config import BrokerConfig, Config
 from torchpass_common.errors import ConfigError, TorchPassError
+from torchpass_common.job_credentials import CredentialServer, JobFacts
 
 DYNSEC_PLUGIN = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
 CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
@@ -191,6 +194,68 @@ class BrokerAdmin:
             raise BrokerAuthError(f"the broker refused {failed[0].get('command')}: {failed[0]['error']}",
                                   hint="see mosquitto's log")
         return reply
+
+
+class JobAccounts:
+    """torchpassd's per-job accounts: created on JobStarted, removed on JobEnded, handed to a job's
+    launchpads by the job_credentials endpoint after the munge proof checks out against Slurm."""
+
+    def __init__(self, cfg: Config, slurm: SlurmClient) -> None:
+        self.admin = BrokerAdmin(cfg.broker, Path(cfg.orchestrator.state_dir) / "broker-secret")
+        self.slurm = slurm
+        endpoint = cfg.orchestrator.credentials_endpoint
+        try:
+            port = int(endpoint.rpartition(":")[2])
+        except ValueError:
+            raise ConfigError(f"orchestrator.credentials_endpoint must be HOST:PORT, got {endpoint!r}") from None
+        self.server = CredentialServer("0.0.0.0", port, self.facts, self.admin.ensure_job,  # noqa: S104 - nodes connect
+                                       munge_socket=cfg.orchestrator.munge_socket)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.log = log.get()
+
+    @classmethod
+    def from_config(cls, cfg: Config, slurm: SlurmClient) -> JobAccounts | None:
+        """The accounts manager, or None when per-job credentials are off (no credentials_endpoint)."""
+        return cls(cfg, slurm) if cfg.orchestrator.credentials_endpoint else None
+
+    async def __aenter__(self) -> Self:
+        await self.server.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.__aexit__(*exc)
+
+    async def facts(self, job: str) -> JobFacts | None:
+        """The owner's uid and nodes of a running TorchPass job ``job``, from Slurm (None: no such job)."""
+        try:
+            rec = await asyncio.to_thread(self.slurm.job, int(job))
+        except (ValueError, TorchPassError):
+            return None
+        if rec is None or not rec.active or rec.torchpass is None:
+            return None
+        name, _, uid = rec.user.partition("(")  # "alice" or "alice(1000)"
+        try:
+            return JobFacts(int(uid.rstrip(")")) if uid else pwd.getpwnam(name).pw_uid, rec.nodes)
+        except (KeyError, ValueError):
+            self.log.warning("credentials.unknown_owner", job=job, user=rec.user)
+            return None
+
+    def on_slurm(self, e: ev.SlurmEvent) -> None:
+        """Create a started job's account, remove an ended job's, in the background (failures are
+        logged; the endpoint creates a missing account on demand)."""
+        if isinstance(e, ev.JobStarted | ev.JobEnded):
+            task = asyncio.create_task(self._account(e))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _account(self, e: ev.JobStarted | ev.JobEnded) -> None:
+        try:
+            if isinstance(e, ev.JobStarted):
+                await self.admin.ensure_job(str(e.job))
+            elif isinstance(e, ev.JobEnded):
+                await self.admin.remove_job(str(e.job))
+        except TorchPassError as exc:
+            self.log.error("broker.job_account_failed", job=str(e.job), error=str(exc))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -25,8 +25,8 @@ from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd import broker_auth, planned, sdnotify
 from torchpassd import journal as jn
-from torchpassd import planned, sdnotify
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
 from torchpassd.health_watch import HealthWatch
@@ -225,8 +225,11 @@ async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Comma
                 await health.on_heartbeat(msg.job, node, msg.body)
 
 
-async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch) -> None:
+async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch,
+                 accounts: broker_auth.JobAccounts | None = None) -> None:
     async for e in watcher.events():
+        if accounts is not None:
+            accounts.on_slurm(e)  # a job's broker account lives as long as the job
         if isinstance(e, ev.NodeReturned):
             health.node_returned(e.node)
         elif isinstance(e, ev.JobEnded):
@@ -276,6 +279,7 @@ async def serve(cfg: Config) -> int:
         deps = planned.Deps(cfg, journal, registry, commander, resizer, SparePool(slurm, cfg.slurm.spare_reservation),
                             metrics, publish_event, state_dir / "steps")
         orch = Orchestrator(deps, watcher)
+        accounts = broker_auth.JobAccounts.from_config(cfg, slurm)  # per-job broker accounts (or None)
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
                              drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner_for(cfg.slurm), node, reason))
         tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health)),
@@ -283,10 +287,11 @@ async def serve(cfg: Config) -> int:
         async with ControlServer(cfg.orchestrator.control_socket,
                                  {**orch.handlers(started, slurm.name, client), "health": health.op_health},
                                  group=cfg.orchestrator.control_group), \
-                MetricsServer(metrics, port=cfg.orchestrator.metrics_port) as metrics_server:
+                MetricsServer(metrics, port=cfg.orchestrator.metrics_port) as metrics_server, \
+                (accounts or contextlib.nullcontext()):
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
             await orch.recover()
-            tasks += [asyncio.create_task(_watch(watcher, orch, health)),
+            tasks += [asyncio.create_task(_watch(watcher, orch, health, accounts)),
                       asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
             logger.info("torchpassd.ready", backend=slurm.name, metrics_port=metrics_server.port,
