@@ -64,6 +64,11 @@ class OrchestratorConfig:
     drills_enabled: bool = False
     credentials_endpoint: str = ""  # HOST:PORT where torchpassd hands launchpads their job's broker account
     munge_socket: str = ""
+    unplanned_no_spare: str = "wait"  # a node died and no spare is free: wait (survivors parked) | fail
+
+    def validate(self) -> None:
+        if self.unplanned_no_spare not in ("wait", "fail"):
+            raise ConfigError(f"orchestrator.unplanned_no_spare must be wait or fail, got {self.unplanned_no_spare!r}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,11 @@ from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
-from torchpassd import broker_auth, planned, sdnotify
+from torchpassd import broker_auth, planned, sdnotify, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
+from torchpassd.failure_detect import FailureDetector
 from torchpassd.health_watch import HealthWatch
 from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
@@ -40,16 +42,19 @@ class Orchestrator:
     """Decides which migrations run: drains seen by the watcher and ``migrate`` requests become
     pending (job, node) pairs; each job runs at most one migration at a time."""
 
-    def __init__(self, deps: planned.Deps, watcher: Watcher) -> None:
+    def __init__(self, deps: planned.Deps, watcher: Watcher, control_up: Callable[[], bool] = lambda: True) -> None:
         self.d = deps
         self.watcher = watcher
         self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # -> (wall time seen, reason)
         self.retry_at: dict[tuple[str, str], float] = {}
         self.active: dict[str, asyncio.Task[None]] = {}
+        self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
+        self.unplanned = unplanned.Driver(self, control_up)  # dead nodes -> recoveries (#7)
         self.log = log.get()
 
     # ---- inputs ------------------------------------------------------------------------------
     async def on_slurm(self, e: ev.SlurmEvent) -> None:
+        self.unplanned.detector.on_slurm(e)
         if isinstance(e, ev.JobStarted | ev.JobResized):
             view = await self.d.registry.update_job(str(e.job), nodes=tuple(e.nodes),
                                                     **({"user": e.user, "mode": e.mode, "batch_host": e.batch_host}
@@ -93,8 +98,9 @@ class Orchestrator:
     def kick(self) -> None:
         """Start a migration for every pending pair whose job is idle and whose retry time came."""
         now = time.time()
+        self.unplanned.kick()  # dead nodes first: their jobs are stopped
         for (job, node), (seen, reason) in list(self.pending.items()):
-            if job in self.active or self.retry_at.get((job, node), 0) > now:
+            if job in self.active or self.unplanned.waits(job) or self.retry_at.get((job, node), 0) > now:
                 continue
             why = self._blocked(job, node)
             view = self.d.registry.job(job)
@@ -143,6 +149,7 @@ class Orchestrator:
                                       reason=reason, gen=gen)
         await self.d.publish_event(job, "migration.started", {"migration": mid, "source": node, "reason": reason})
         mig = planned.PlannedMigration(self.d, planned.Plan(job=job, source=node, gen=gen), mid, detected_at=seen)
+        self.current[job] = mig
         await self._conclude(mig, await mig.run())
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
@@ -175,6 +182,9 @@ class Orchestrator:
                                            self.d.cfg.timeouts.heartbeat_dead_after, "launchpads to report")
 
     async def _recover_one(self, rec: jn.MigrationRecord) -> None:
+        if rec.mode == unplanned.MODE:
+            await self.unplanned.resume(rec)
+            return
         mig = planned.PlannedMigration(self.d, planned.Plan.from_record(rec), rec.id, detected_at=rec.started)
         await self._conclude(mig, await planned.resume_after_restart(mig, rec.phase))
 
@@ -185,7 +195,8 @@ class Orchestrator:
                                "slurm_backend": backend, "broker_connected": client.connected},
                     "jobs": await jobs(args), "pending": [
                         {"job": j, "node": n, "reason": r, "since": s} for (j, n), (s, r) in self.pending.items()],
-                    "in_flight": [m.id for m in await asyncio.to_thread(self.d.journal.in_flight)]}
+                    "in_flight": [m.id for m in await asyncio.to_thread(self.d.journal.in_flight)],
+                    "dead": self.unplanned.describe()}  # dead nodes waiting for their recovery, and why
 
         async def jobs(args: dict[str, Any]) -> list[dict[str, Any]]:
             return [v.describe() for k, v in sorted(self.d.registry.jobs.items()) if v.user]
@@ -211,7 +222,7 @@ class Orchestrator:
 
 
 async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics,
-                health: HealthWatch) -> None:
+                health: HealthWatch, detector: FailureDetector | None = None) -> None:
     async for topic, msg in client.messages():
         node = protocol.parse_topic(topic).node
         if node is None:
@@ -220,6 +231,8 @@ async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Comma
             commander.on_ack(msg, node)
         elif msg.kind in (protocol.STATE, protocol.HEARTBEAT):
             await registry.on_message(node, msg)
+            if detector is not None:
+                detector.on_message(node, msg)
             if msg.kind == protocol.HEARTBEAT:
                 metrics.heartbeat_seen(msg.job, node)
                 await health.on_heartbeat(msg.job, node, msg.body)
@@ -244,6 +257,7 @@ async def _tick(orch: Orchestrator, every: float) -> None:
     """Re-examine blocked migrations (a launchpad reported, a retry time came) now and then."""
     while True:
         await asyncio.sleep(every)
+        orch.unplanned.detector.check()  # silence needs a clock
         orch.kick()
 
 
@@ -278,11 +292,11 @@ async def serve(cfg: Config) -> int:
         commander = Commander(client)
         deps = planned.Deps(cfg, journal, registry, commander, resizer, SparePool(slurm, cfg.slurm.spare_reservation),
                             metrics, publish_event, state_dir / "steps")
-        orch = Orchestrator(deps, watcher)
+        orch = Orchestrator(deps, watcher, control_up=lambda: client.connected)
         accounts = broker_auth.JobAccounts.from_config(cfg, slurm)  # per-job broker accounts (or None)
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
                              drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner_for(cfg.slurm), node, reason))
-        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health)),
+        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health, orch.unplanned.detector)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,
                                  {**orch.handlers(started, slurm.name, client), "health": health.op_health},

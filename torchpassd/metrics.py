@@ -124,6 +124,9 @@ class Metrics:
         self.migration_pause_seconds = Histogram(
             "torchpass_migration_pause_seconds",
             "Training pause of a migration: last step before it to first step after it.", PAUSE_BUCKETS)
+        self.failure_detect_seconds = Histogram(
+            "torchpass_failure_detect_seconds",
+            "Unplanned migration: first sign of a node's failure to torchpassd's decision.", PAUSE_BUCKETS)
         self.spares_free = Gauge("torchpass_spares_free", "Spare nodes free to take a migration.")
         self.jobs_tracked = Gauge("torchpass_jobs_tracked", "Slurm jobs running under TorchPass.")
         self.health_decisions_total = Counter(
@@ -148,8 +151,8 @@ class Metrics:
         now = time.monotonic()
         for (job, node), seen in self._last_heartbeat.items():
             self.heartbeat_age_seconds.set(round(now - seen, 3), job=job, node=node)
-        metrics = (self.migrations_total, self.migration_pause_seconds, self.spares_free, self.jobs_tracked,
-                   self.heartbeat_age_seconds, self.health_decisions_total)
+        metrics = (self.migrations_total, self.migration_pause_seconds, self.failure_detect_seconds,
+                   self.spares_free, self.jobs_tracked, self.heartbeat_age_seconds, self.health_decisions_total)
         return "\n".join(m.render() for m in metrics) + "\n"
 
 

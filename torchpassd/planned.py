@@ -123,16 +123,19 @@ class Deps:
     steps: dict[str, subprocess.Popen] = field(default_factory=dict)  # migration -> spare's srun
 
 
-class PlannedMigration:
-    """One migration of ``plan.source``'s rank in ``plan.job``; ``run()`` drives it to an end."""
+class Flow:
+    """What planned and unplanned migrations share: journaled phases, commands to launchpads,
+    reading a worker's command line, starting a joining rank on a spare (launchpad + worker,
+    wormhole receiver), the re-form arguments, and letting a spare go again."""
+
+    mode = MODE
 
     def __init__(self, deps: Deps, plan: Plan, migration: str, *, detected_at: float) -> None:
         self.d = deps
         self.plan = plan
         self.id = migration
-        self.detected_at = detected_at  # wall time the drain was seen
+        self.detected_at = detected_at  # wall time the drain (or failure) was seen
         self.token = secrets.token_bytes(32)
-        self.save_sent = False
         self.t = deps.cfg.timeouts
         self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
@@ -157,7 +160,123 @@ class PlannedMigration:
         return await self.d.commander.send(self.plan.job, node, cmd, migration=self.id, gen=gen,
                                            args=args, timeout=timeout or self.t.decision)
 
-    # ---- the flow --------------------------------------------------------------------------
+    # ---- shared steps ------------------------------------------------------------------------
+    async def _take_spare(self) -> tuple[str, str]:
+        """A spare out of the pool and its address (nothing else is changed yet)."""
+        target = await asyncio.to_thread(self.d.pool.take, job=int(self.plan.job))
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        return target, nodes[target].addr or target
+
+    def _adopt_template(self, tpl: WorkerTemplate) -> None:
+        p = self.plan
+        p.world_size, p.store_host = int(tpl.env["WORLD_SIZE"]), tpl.env["MASTER_ADDR"]
+        p.store_port = int(tpl.env["MASTER_PORT"])
+
+    async def _template(self, node: str, rank: int) -> WorkerTemplate:
+        """Read the command line, environment and cwd of ``rank``'s worker on ``node`` (a step
+        on that node): how to start the same script as a joining rank elsewhere."""
+        p = self.plan
+        lp = self.view().launchpads[node]
+        pid = next(w["pid"] for w in lp.workers if w["rank"] == rank)
+        script = (f"tr '\\0' '\\n' </proc/{pid}/cmdline; echo; echo ===; tr '\\0' '\\n' </proc/{pid}/environ; "
+                  f"echo; echo ===; readlink /proc/{pid}/cwd")
+        proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), node, ["sh", "-c", script],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = await asyncio.to_thread(proc.communicate, timeout=self.d.cfg.slurm.command_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            raise MigrationError(f"reading rank {rank}'s command line on {node} timed out", **self.where) from None
+        if proc.returncode != 0:
+            raise MigrationError(f"cannot read rank {rank}'s command line on {node}: {err.strip()}", **self.where)
+        return WorkerTemplate.parse(out, job=p.job, node=node)
+
+    def _joiner_argv(self, tpl: WorkerTemplate, rank: int, target: str) -> list[str]:
+        """launchpad on ``target`` running ``tpl``'s script as a joining ``rank``."""
+        p = self.plan
+        config = tpl.env.get("TORCHPASS_CONFIG") or self.d.cfg.source
+        return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", target,
+                *(["--config", config] if config else []),
+                "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{p.store_host}:{p.store_port}", "--rdzv-id", f"{p.job}-join-{self.id[:8]}",
+                # launchpad gives a lone worker rank 0 of 1; env sets the rank it takes over.
+                "--no-python", "/usr/bin/env", f"RANK={rank}", f"ROLE_RANK={rank}",
+                f"WORLD_SIZE={p.world_size}", f"ROLE_WORLD_SIZE={p.world_size}",
+                tpl.python, "-u", "-m", "torchpass._bootstrap", *tpl.script_args]
+
+    def _step_key(self, target: str) -> str:
+        return f"{self.id}/{target}"
+
+    async def _start_joiner(self, tpl: WorkerTemplate, rank: int, target: str, target_addr: str) -> None:
+        """Start launchpad and the joining worker for ``rank`` on ``target`` (a job step; the
+        wormhole source token travels in its environment, never on a command line or in a log)
+        and wait until the worker listens for its state."""
+        p = self.plan
+        source = {"listen_host": "0.0.0.0", "port": p.port, "token": self.token.hex()}
+        self.d.steps_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{target}.log", "ab")  # noqa: SIM115 - the step owns it
+        try:
+            proc = await asyncio.to_thread(
+                self.d.resizer.start_step, int(p.job), target, self._joiner_argv(tpl, rank, target),
+                extra_env={ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)},
+                stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None, start_new_session=True)
+        finally:
+            out.close()
+        self.d.steps[self._step_key(target)] = proc
+        asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
+        await self._wait_receiver(proc, target, target_addr)
+
+    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str) -> None:
+        """Until the joiner's wormhole receiver listens (it has built its model and sits in
+        register()); the launchpad step ending first is a failure."""
+        p = self.plan
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.t.decision
+        while True:
+            if proc.poll() is not None:
+                raise MigrationError(f"the joiner's launchpad step on {target} ended (rc={proc.returncode})",
+                                     hint=f"see {self.d.steps_dir}", **self.where)
+            with contextlib.suppress(OSError):
+                sock = await asyncio.wait_for(asyncio.open_connection(target_addr, p.port), 1.0)
+                sock[1].close()
+                return
+            if loop.time() > deadline:
+                raise MigrationError(f"the joiner on {target} did not get ready within {self.t.decision:.0f} s",
+                                     **self.where)
+            await asyncio.sleep(0.1)
+
+    def _reform_args(self, gen: int) -> dict[str, Any]:
+        p = self.plan
+        return {"gen": gen, "world_size": p.world_size, "store_host": p.store_host, "store_port": p.store_port,
+                "prefix": f"/torchpass/{p.job}/gen{gen}"}
+
+    async def _drop_target(self, target: str) -> list[str]:
+        """Stop the joiner on ``target`` and its launchpad, take the spare out of the job, back
+        to the pool; returns what went wrong on the way."""
+        p = self.plan
+        problems: list[str] = []
+        proc = self.d.steps.pop(self._step_key(target), None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+        elif self.view().launchpads.get(target) is not None:  # started by a previous torchpassd
+            with contextlib.suppress(TorchPassError):
+                await self.send(target, "exit", p.gen, timeout=5.0)
+        try:
+            await asyncio.to_thread(self.d.resizer.release_node, int(p.job), target)
+        except TorchPassError as exc:
+            problems.append(f"releasing {target}: {exc}")
+        self.d.pool.give_back(target)
+        return problems
+
+
+class PlannedMigration(Flow):
+    """One migration of ``plan.source``'s rank in ``plan.job``; ``run()`` drives it to an end."""
+
+    def __init__(self, deps: Deps, plan: Plan, migration: str, *, detected_at: float) -> None:
+        super().__init__(deps, plan, migration, detected_at=detected_at)
+        self.save_sent = False
+
     async def run(self) -> str:
         """Carry the migration out; returns the final status (succeeded or rolled_back)."""
         try:
@@ -178,84 +297,15 @@ class PlannedMigration:
         p.rank = ranks[0]
         p.survivors = sorted(n for n, lp in view.launchpads.items()
                              if lp.online and lp.workers and n != p.source)
-        p.target = await asyncio.to_thread(self.d.pool.take, job=int(p.job))
-        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
-        p.target_addr = nodes[p.target].addr or p.target
+        p.target, p.target_addr = await self._take_spare()
         p.port = WORMHOLE_PORT_BASE + p.new_gen
         await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
         await asyncio.to_thread(self.d.resizer.add_node, int(p.job), p.target)
         await self.phase(SPARE_ADDED)
-        tpl = await self._template()
-        p.world_size, p.store_host = int(tpl.env["WORLD_SIZE"]), tpl.env["MASTER_ADDR"]
-        p.store_port = int(tpl.env["MASTER_PORT"])
-        await self._start_joiner(tpl)
+        tpl = await self._template(p.source, p.rank)
+        self._adopt_template(tpl)
+        await self._start_joiner(tpl, p.rank, p.target, p.target_addr)
         await self.phase(JOINER_READY)
-
-    async def _template(self) -> WorkerTemplate:
-        """Read the leaving worker's command line, environment and cwd (a step on its node)."""
-        p = self.plan
-        lp = self.view().launchpads[p.source]
-        pid = next(w["pid"] for w in lp.workers if w["rank"] == p.rank)
-        script = (f"tr '\\0' '\\n' </proc/{pid}/cmdline; echo; echo ===; tr '\\0' '\\n' </proc/{pid}/environ; "
-                  f"echo; echo ===; readlink /proc/{pid}/cwd")
-        proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), p.source, ["sh", "-c", script],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = await asyncio.to_thread(proc.communicate, timeout=self.d.cfg.slurm.command_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
-            raise MigrationError("reading the leaving worker's command line timed out", **self.where) from None
-        if proc.returncode != 0:
-            raise MigrationError(f"cannot read the leaving worker's command line: {err.strip()}", **self.where)
-        return WorkerTemplate.parse(out, job=p.job, node=p.source)
-
-    def _joiner_argv(self, tpl: WorkerTemplate) -> list[str]:
-        p = self.plan
-        config = tpl.env.get("TORCHPASS_CONFIG") or self.d.cfg.source
-        return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", p.target,
-                *(["--config", config] if config else []),
-                "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{p.store_host}:{p.store_port}", "--rdzv-id", f"{p.job}-join-{self.id[:8]}",
-                # launchpad gives a lone worker rank 0 of 1; env sets the rank it takes over.
-                "--no-python", "/usr/bin/env", f"RANK={p.rank}", f"ROLE_RANK={p.rank}",
-                f"WORLD_SIZE={p.world_size}", f"ROLE_WORLD_SIZE={p.world_size}",
-                tpl.python, "-u", "-m", "torchpass._bootstrap", *tpl.script_args]
-
-    async def _start_joiner(self, tpl: WorkerTemplate) -> None:
-        p = self.plan
-        source = {"listen_host": "0.0.0.0", "port": p.port, "token": self.token.hex()}
-        self.d.steps_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
-        try:
-            proc = await asyncio.to_thread(
-                self.d.resizer.start_step, int(p.job), p.target, self._joiner_argv(tpl),
-                extra_env={ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)},
-                stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None, start_new_session=True)
-        finally:
-            out.close()
-        self.d.steps[self.id] = proc
-        asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
-        await self._wait_receiver(proc)
-
-    async def _wait_receiver(self, proc: subprocess.Popen) -> None:
-        """Until the joiner's wormhole receiver listens (it has built its model and sits in
-        register()); the launchpad step ending first is a failure."""
-        p = self.plan
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.t.decision
-        while True:
-            if proc.poll() is not None:
-                raise MigrationError(f"the joiner's launchpad step on {p.target} ended (rc={proc.returncode})",
-                                     hint=f"see {self.d.steps_dir}", **self.where)
-            with contextlib.suppress(OSError):
-                sock = await asyncio.wait_for(asyncio.open_connection(p.target_addr, p.port), 1.0)
-                sock[1].close()
-                return
-            if loop.time() > deadline:
-                raise MigrationError(f"the joiner on {p.target} did not get ready within {self.t.decision:.0f} s",
-                                     **self.where)
-            await asyncio.sleep(0.1)
 
     def _pause_step(self) -> int:
         """A step every rank is still before: the highest reported step plus what the job may
@@ -290,11 +340,6 @@ class PlannedMigration:
         res = await self.send(p.source, "save", p.gen, {"rank": p.rank, "dest": dest})
         await self.phase(HANDED_OVER, bytes=res.get("bytes"), transfer_s=res.get("seconds"))
 
-    def _reform_args(self, gen: int) -> dict[str, Any]:
-        p = self.plan
-        return {"gen": gen, "world_size": p.world_size, "store_host": p.store_host, "store_port": p.store_port,
-                "prefix": f"/torchpass/{p.job}/gen{gen}"}
-
     async def finish(self) -> str:
         """From the hand-over on: form the new generation with the joiner, resume, release the
         drained node. The leaving rank stays parked until the new generation stands, so a failed
@@ -317,12 +362,12 @@ class PlannedMigration:
             await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.source)
         except TorchPassError as exc:
             await self.phase(FAILED, jn.FAILED, error=str(exc))
-            self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+            self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
             return jn.FAILED
         self.d.metrics.migration_pause_seconds.observe(pause_s)
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="succeeded")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="succeeded")
         await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3))
-        self.d.steps.pop(self.id, None)
+        self.d.steps.pop(self._step_key(p.target), None)
         return jn.SUCCEEDED
 
     async def _reform_back(self, reason: str) -> str:
@@ -333,15 +378,15 @@ class PlannedMigration:
         back = p.new_gen + 1
         members = [*p.survivors, p.source]
         try:
-            await self._drop_target()
+            await self._drop_target(p.target)
             await asyncio.gather(*(self.send(n, "reform", back, self._reform_args(back)) for n in members))
             await asyncio.gather(*(self.send(n, "resume", back, {"gen": back}) for n in members))
         except TorchPassError as exc:
             await self.phase(FAILED, jn.FAILED, error=f"{reason}; going back to {p.source} failed too: {exc}")
-            self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+            self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
             return jn.FAILED
         p.gen_after = back
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="rolled_back")
         await self.phase(ROLLED_BACK, jn.ROLLED_BACK, error=reason)
         return jn.ROLLED_BACK
 
@@ -353,23 +398,6 @@ class PlannedMigration:
             await self.d.registry.wait_for(
                 lambda: True if not (lp := view.launchpads.get(self.plan.source)) or not lp.online else None,
                 self.t.reform, f"the launchpad on {self.plan.source} to exit", **self.where)
-
-    async def _drop_target(self) -> list[str]:
-        """Stop the joiner and its launchpad, take the spare out of the job, back to the pool."""
-        p = self.plan
-        problems: list[str] = []
-        proc = self.d.steps.pop(self.id, None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-        elif self.view().launchpads.get(p.target) is not None:  # started by a previous torchpassd
-            with contextlib.suppress(TorchPassError):
-                await self.send(p.target, "exit", p.gen, timeout=5.0)
-        try:
-            await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.target)
-        except TorchPassError as exc:
-            problems.append(f"releasing {p.target}: {exc}")
-        self.d.pool.give_back(p.target)
-        return problems
 
     async def roll_back(self, reason: str) -> None:
         """Before the hand-over: back to the job as it was. Paused ranks resume in the current
@@ -388,8 +416,8 @@ class PlannedMigration:
             except TorchPassError as exc:
                 problems.append(f"resuming rank {p.rank} on {p.source}: {exc}")
         if p.target:
-            problems += await self._drop_target()
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+            problems += await self._drop_target(p.target)
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="rolled_back")
         await self.phase(ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
 
 async def resume_after_restart(mig: PlannedMigration, phase: str) -> str:

@@ -57,7 +57,7 @@ def _migration(registry: Registry, plan: Plan) -> PlannedMigration:
 
 def test_joiner_takes_over_the_leaving_rank() -> None:
     plan = Plan(job="7", source="n3", gen=1, rank=2, world_size=4, target="n5", store_host="n1", store_port=29500)
-    argv = _migration(Registry(), plan)._joiner_argv(WorkerTemplate.parse(PROC_TEXT, job="7", node="n3"))
+    argv = _migration(Registry(), plan)._joiner_argv(WorkerTemplate.parse(PROC_TEXT, job="7", node="n3"), 2, "n5")
     assert argv[:3] == ["/venv/bin/python", "-m", "launchpad"]
     assert argv[argv.index("--node") + 1] == "n5" and argv[argv.index("--config") + 1] == "/etc/tp.toml"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "n1:29500"

@@ -1,0 +1,306 @@
+"""The unplanned recovery's decisions and flow against fakes (commander, Slurm, spares; real
+registry, journal and metrics): the donor is the most advanced survivor and laggards load its
+state, the commands in order (recover -> reform -> resume), the dead node released, phases and
+timings journaled; a second death before the hand-over is recovered too, one after it fails the
+job clearly; no spare with `fail` fails clearly; the token is never journaled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_plugin.model import Node
+from slurm_plugin.spares import Spare
+from torchpass_common import protocol
+from torchpass_common.config import Config
+from torchpass_common.errors import MigrationError, SlurmError
+from torchpassd import journal as jn
+from torchpassd.failure_detect import Death
+from torchpassd.metrics import Metrics
+from torchpassd.planned import WORMHOLE_PORT_BASE, Deps
+from torchpassd.registry import Registry
+from torchpassd.unplanned import MODE, UnplannedPlan, UnplannedRecovery, choose_donor
+
+PROC_TEXT = ("/venv/bin/python\n-u\n-m\ntorchpass._bootstrap\ntrain.py\n\n===\n"
+             "RANK=0\nWORLD_SIZE=4\nMASTER_ADDR=n1\nMASTER_PORT=29500\n\n===\n/home/u/run\n")
+
+
+def test_donor_is_the_most_advanced_survivor_and_laggards_load_its_state() -> None:
+    nodes = {0: "n1", 1: "n2", 3: "n4"}
+    assert choose_donor({"0": 42, "1": 42, "3": 42}, nodes, where={}) == ("n1", [], 42)
+    assert choose_donor({"0": 41, "1": 42, "3": 41}, nodes, where={}) == ("n2", ["n1", "n4"], 42)
+    with pytest.raises(MigrationError, match="more than one step apart"):
+        choose_donor({"0": 40, "1": 42}, nodes, where={})
+    with pytest.raises(MigrationError, match="no surviving rank"):
+        choose_donor({}, nodes, where={})
+
+
+class FakeProc:
+    returncode = 0
+
+    def __init__(self, out: str = "") -> None:
+        self.out = out
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        return self.out, ""
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def terminate(self) -> None:
+        pass
+
+
+class FakeSlurm:
+    """Spares, job membership and steps; a joiner step opens a listener where the flow looks."""
+
+    def __init__(self, spares: list[str], port: int) -> None:
+        self.free = list(spares)
+        self.port = port
+        self.added: list[str] = []
+        self.released: list[str] = []
+        self.client = self
+        self.listeners: list[socket.socket] = []
+
+    # SlurmClient
+    def nodes(self) -> dict[str, Node]:
+        return {n: Node(n, "idle", addr="127.0.0.1") for n in ("n1", "n2", "n3", "n4", "n5", "n6")}
+
+    # SparePool
+    def take(self, *, job: int | None = None) -> str:
+        if not self.free:
+            raise SlurmError("no usable spare in reservation 'torchpass_spares' (n5: down)", job=job)
+        return self.free.pop(0)
+
+    def give_back(self, node: str) -> None:
+        self.free.append(node)
+
+    def list(self, snap: Any = None) -> list[Spare]:
+        return [Spare(n, True, "", "idle") for n in self.free]
+
+    # JobResizer
+    def add_node(self, job: int, node: str) -> None:
+        self.added.append(node)
+
+    def release_node(self, job: int, node: str) -> None:
+        self.released.append(node)
+
+    def start_step(self, job: int, node: str, argv: list[str], **kw: Any) -> FakeProc:
+        if argv[0] == "sh":
+            return FakeProc(PROC_TEXT)
+        assert "token" not in " ".join(argv)  # the wormhole token travels in the environment only
+        if not self.listeners:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", self.port))
+            s.listen()
+            self.listeners.append(s)
+        return FakeProc()
+
+
+class FakeCommander:
+    def __init__(self, on_send: Any = None) -> None:
+        self.sent: list[tuple[str, str, int, dict[str, Any]]] = []
+        self.on_send = on_send
+
+    async def send(self, job: str, node: str, cmd: str, *, migration: str, gen: int,
+                   args: dict[str, Any] | None = None, timeout: float) -> dict[str, Any]:
+        self.sent.append((node, cmd, gen, args or {}))
+        if self.on_send:
+            await self.on_send(node, cmd)
+        return {"rank": 0, "step": 42, "bytes": 1000, "seconds": 0.01} if cmd == "recover" else {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hb(node: str, rank: int, step: int, state: str, **extra: Any) -> protocol.Message:
+    body = {"node": node, "seq": 1, "workers": [{"rank": rank, "step": step, "state": state, "pid": 100 + rank,
+                                                 **extra}]}
+    return protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1, body=body))
+
+
+class World:
+    def __init__(self, tmp: Path, spares: list[str], steps: dict[str, int] | None = None) -> None:
+        self.port = _free_port()
+        self.gen = self.port - WORMHOLE_PORT_BASE - 1  # the joiner listens on BASE + gen + 1
+        self.registry = Registry()
+        self.journal = jn.Journal(tmp / "j.sqlite")
+        self.journal.upsert_job("7", user="u", mode="aware", state="RUNNING", gen=self.gen,
+                                nodes=["n1", "n2", "n3", "n4"])
+        self.slurm = FakeSlurm(spares, self.port)
+        self.commander = FakeCommander()
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.steps = steps or {"n1": 42, "n2": 42, "n4": 42}
+        self.metrics = Metrics()
+
+        async def publish(job: str, event: str, detail: dict[str, Any]) -> None:
+            self.events.append((event, detail))
+        self.deps = Deps(Config(), self.journal, self.registry, self.commander, self.slurm, self.slurm,  # type: ignore[arg-type]
+                         self.metrics, publish, tmp / "steps")
+
+    async def setup(self) -> None:
+        await self.registry.update_job("7", nodes=("n1", "n2", "n3", "n4"), user="u", batch_host="n1")
+        for i, n in enumerate(("n1", "n2", "n3", "n4")):
+            await self.registry.on_message(n, _hb(n, i, 40, "running"))
+        offline = protocol.encode(protocol.STATE, job="7", gen=1, body={"node": "n3", "online": False})
+        await self.registry.on_message("n3", protocol.decode(offline))
+
+    async def interrupt(self, delay: float = 0.05) -> None:
+        await asyncio.sleep(delay)
+        for i, n in enumerate(("n1", "n2", "n3", "n4")):
+            if n in self.steps:
+                await self.registry.on_message(n, _hb(n, i, self.steps[n], "interrupted", registered=True))
+
+    def recovery(self, no_spare: str = "wait") -> UnplannedRecovery:
+        mid = self.journal.start_migration("7", mode=MODE, source="n3", reason="n3 died", gen=self.gen)
+        plan = UnplannedPlan(job="7", source="n3", gen=self.gen, evidence=["Last Will"], failed_at=time.time() - 1.0)
+        return UnplannedRecovery(self.deps, plan, mid, detected_at=time.time() - 0.5, no_spare=no_spare)
+
+    def close(self) -> None:
+        for s in self.slurm.listeners:
+            s.close()
+        self.journal.close()
+
+
+def _death(node: str, rank: int) -> Death:
+    now = time.time()
+    return Death("7", node, (rank,), ("Last Will",), now - 1.0, now - 0.5)
+
+
+def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5"], steps={"n1": 41, "n2": 42, "n4": 42})  # n1 lags one step
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+        interrupt = asyncio.create_task(w.interrupt())
+        status = await rec.run([_death("n3", 2)])
+        await interrupt
+        return status
+    status = asyncio.run(go())
+    cmds = [(n, c) for n, c, _, _ in w.commander.sent]
+    assert status == jn.SUCCEEDED, w.journal.history()[0].error
+    recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
+    assert set(recover) == {"n1", "n2", "n4"}
+    assert all(a["gen"] == w.gen + 1 and a["step"] == 42 and a["world_size"] == 4 for a in recover.values())
+    donations = recover["n2"]["donate"]  # n2: the lowest rank at step 42 donates to the joiner and to n1
+    assert [d["rank"] for d in donations] == [2, 0]
+    assert donations[0]["dest"]["port"] == w.port and donations[0]["dest"]["host"] == "127.0.0.1"
+    assert recover["n1"]["load_from"]["port"] == donations[1]["dest"]["port"]
+    assert "donate" not in recover["n4"] and "load_from" not in recover["n4"]
+    first_reform = cmds.index(next(c for c in cmds if c[1] == "reform"))
+    assert all(c[1] == "recover" for c in cmds[:first_reform])
+    assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
+    assert w.slurm.added == ["n5"] and w.slurm.released == ["n3"]
+    mig = w.journal.history()[0]
+    assert mig.mode == MODE and mig.status == jn.SUCCEEDED and mig.target == "n5"
+    phases = [p.phase for p in mig.phases]
+    assert phases == ["requested", "detected", "spare_chosen", "spare_added", "joiner_ready", "interrupted",
+                      "recovered", "reformed", "resumed", "released"]
+    resumed = next(p for p in mig.phases if p.phase == "resumed").detail
+    assert resumed["resumed_at_step"] == 42 and resumed["pause_s"] >= 1.0
+    assert next(p for p in mig.phases if p.phase == "detected").detail["detect_s"] == pytest.approx(0.5, abs=0.05)
+    token = w.commander.sent[-1]  # any command: the token is in recover args, never in the journal
+    assert token
+    text = json.dumps([p.detail for p in mig.phases]) + json.dumps(w.events)
+    assert donations[0]["dest"]["token"] not in text
+    assert 'torchpass_migrations_total{mode="unplanned-aware",outcome="succeeded"} 1' in w.metrics.render()
+    w.close()
+
+
+def test_second_death_before_the_hand_over_is_recovered_too(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5", "n6"], steps={"n1": 42, "n2": 42})
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+
+        async def kill_n4() -> None:
+            await asyncio.sleep(0.02)
+            offline = protocol.encode(protocol.STATE, job="7", gen=1, body={"node": "n4", "online": False})
+            await w.registry.on_message("n4", protocol.decode(offline))
+            rec.another_death(_death("n4", 3))
+            await w.interrupt(0.2)
+        task = asyncio.create_task(kill_n4())
+        status = await rec.run([_death("n3", 2)])
+        await task
+        return status
+    assert asyncio.run(go()) == jn.SUCCEEDED, w.journal.history()[0].error
+    recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
+    assert set(recover) == {"n1", "n2"}
+    assert recover["n1"]["donate"]["rank"] == 2 and recover["n2"]["donate"]["rank"] == 3
+    assert sorted(w.slurm.added) == ["n5", "n6"] and sorted(w.slurm.released) == ["n3", "n4"]
+    w.close()
+
+
+def test_second_death_after_the_hand_over_fails_the_job_clearly(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5", "n6"])
+
+    async def go() -> tuple[str, UnplannedRecovery]:
+        await w.setup()
+        rec = w.recovery()
+
+        async def on_send(node: str, cmd: str) -> None:
+            if cmd == "recover" and node == "n1":
+                rec.another_death(_death("n4", 3))
+        w.commander.on_send = on_send
+        interrupt = asyncio.create_task(w.interrupt())
+        status = await rec.run([_death("n3", 2)])
+        await interrupt
+        return status, rec
+    status, rec = asyncio.run(go())
+    assert status == jn.FAILED
+    mig = w.journal.history()[0]
+    assert "n4 died too" in (mig.error or "") and "after the survivors' state was handed over" in mig.error
+    aborts = {n: a for n, c, _, a in w.commander.sent if c == "abort"}
+    assert aborts and all(a == {"exit": True} for a in aborts.values())
+    assert not any(c == "reform" for _, c, _, _ in w.commander.sent)
+    w.close()
+
+
+def test_no_spare_with_fail_policy_fails_clearly_and_survivors_exit(tmp_path: Path) -> None:
+    w = World(tmp_path, [])
+
+    async def go() -> str:
+        await w.setup()
+        return await w.recovery(no_spare="fail").run([_death("n3", 2)])
+    assert asyncio.run(go()) == jn.FAILED
+    mig = w.journal.history()[0]
+    assert mig.phases[-1].phase == "failed" and "no usable spare" in (mig.error or "")
+    assert {n for n, c, _, _ in w.commander.sent if c == "abort"} == {"n1", "n2", "n4"}
+    w.close()
+
+
+def test_unregistered_survivor_fails_with_the_checkpoint_hint(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+
+        async def interrupt() -> None:
+            await asyncio.sleep(0.05)
+            for i, n in ((0, "n1"), (1, "n2"), (3, "n4")):
+                await w.registry.on_message(n, _hb(n, i, 42, "interrupted", registered=n != "n2"))
+        task = asyncio.create_task(interrupt())
+        status = await rec.run([_death("n3", 2)])
+        await task
+        return status
+    assert asyncio.run(go()) == jn.FAILED
+    err = w.journal.history()[0].error or ""
+    assert "never called torchpass.register" in err and "n2" in err
+    assert w.slurm.free == ["n5"]  # the spare went back to the pool
+    w.close()

@@ -1,0 +1,435 @@
+"""The unplanned, model-aware recovery of a job after a node died (failure_detect.py decided it):
+spare chosen -> added to the job -> launchpad and joining worker started there -> every survivor
+reports its worker interrupted (just-in-time state saved) -> the most advanced survivor donates
+the lost rank's state to the joiner (laggards load it too) -> new generation formed -> resume at
+the step that failed -> dead node released. Phases are journaled, published and timed as in
+planned.py (whose Flow it shares); there is no going back, so a failure fails the job clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchpass_common import log
+from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd import journal as jn
+from torchpassd import planned
+from torchpassd.failure_detect import INTERRUPTED, Death, FailureDetector
+from torchpassd.planned import JOINER_READY, SPARE_ADDED, SPARE_CHOSEN, WORMHOLE_PORT_BASE, Deps, Flow, Plan
+
+MODE = "unplanned-aware"
+NO_SPARE_POLICIES = ("wait", "fail")
+LAG_PORT_OFFSET = 50  # a lagging survivor listens for the donor's state on port + this
+DETECTED, INTERRUPTED_ALL, RECOVERED = "detected", "interrupted", "recovered"
+REFORMED, RESUMED, RELEASED, FAILED = planned.REFORMED, planned.RESUMED, planned.RELEASED, planned.FAILED
+BEFORE_RECOVER = (planned.REQUESTED, DETECTED, SPARE_CHOSEN, SPARE_ADDED, JOINER_READY, INTERRUPTED_ALL)
+
+
+@dataclass
+class UnplannedPlan(Plan):
+    """What one recovery decided so far (journaled with every phase; never the token). ``seats``:
+    one per lost rank, {node, rank, target, target_addr}; ``steps``: completed steps per surviving
+    rank at the interruption; ``resume_step``: the step that failed (the most advanced survivor's)."""
+
+    seats: list[dict[str, Any]] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    failed_at: float = 0.0
+    steps: dict[str, int] = field(default_factory=dict)
+    donor: str = ""
+    laggards: list[str] = field(default_factory=list)
+    resume_step: int = -1
+    recover_sent: bool = False
+
+    @property
+    def dead(self) -> list[str]:
+        return [s["node"] for s in self.seats]
+
+    @property
+    def targets(self) -> list[str]:
+        return [s["target"] for s in self.seats if s.get("target")]
+
+
+def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dict[str, Any]) -> tuple[str, list[str], int]:
+    """(donor node, laggard nodes, step to resume at) from the survivors' completed steps.
+    The most advanced replica donates (DDP: every rank holds the whole model); survivors one
+    step behind it (the failure hit while others had finished that step) load its state; a gap
+    of more than one step means the ranks were not in lock-step: not recoverable this way."""
+    if not steps:
+        raise MigrationError("no surviving rank reported its state; nothing to recover from",
+                             hint="fall back to the job's last checkpoint", **where)
+    c_max = max(steps.values())
+    behind = {int(r): c for r, c in steps.items() if c != c_max}
+    if any(c < c_max - 1 for c in behind.values()):
+        raise MigrationError(f"survivors' completed steps {steps} are more than one step apart",
+                             hint="data-parallel replicas should never drift; fall back to the last checkpoint",
+                             **where)
+    leaders = sorted(int(r) for r, c in steps.items() if c == c_max)
+    donor = rank_node[leaders[0]]
+    laggards = sorted({rank_node[r] for r in behind})
+    return donor, laggards, c_max
+
+
+class UnplannedRecovery(Flow):
+    """Recovery of ``plan.job`` from the death of ``plan.source`` (and of any node that dies
+    while the survivors' state is not yet handed over); ``run()`` drives it to an end."""
+
+    mode = MODE
+
+    def __init__(self, deps: Deps, plan: UnplannedPlan, migration: str, *, detected_at: float,
+                 no_spare: str = "wait") -> None:
+        super().__init__(deps, plan, migration, detected_at=detected_at)
+        self.plan: UnplannedPlan = plan
+        self.no_spare = no_spare
+        self._more: list[Death] = []
+        self._changed = asyncio.Event()
+        self.failure: str | None = None
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def another_death(self, death: Death) -> None:
+        """A second node of the job died while this recovery runs: taken in if the survivors'
+        state has not been handed over yet (and a spare is free), else the job fails clearly."""
+        self._more.append(death)
+        self._changed.set()
+
+    # ---- the flow ----------------------------------------------------------------------------
+    async def run(self, deaths: list[Death]) -> str:
+        """Carry the recovery out; returns succeeded or failed."""
+        p = self.plan
+        try:
+            await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
+                             evidence=p.evidence, failed_at=p.failed_at)
+            for d in deaths:
+                await self._seat(d)
+            await self._wait_interrupted()
+            await self._recover()
+        except TorchPassError as exc:
+            return await self.fail(str(exc))
+        return await self.finish()
+
+    def _survivors(self) -> list[str]:
+        view = self.view()
+        return sorted(n for n, lp in view.launchpads.items()
+                      if lp.online and lp.workers and n not in self.plan.dead and n not in self.plan.targets
+                      and (not view.nodes or n in view.nodes))
+
+    async def _seat(self, death: Death) -> None:
+        """Prepare the place of ``death``'s rank: a spare in the job with a joiner waiting."""
+        p, view = self.plan, self.view()
+        if death.node == view.batch_host:
+            raise MigrationError(f"the batch host {death.node} died; Slurm ends the job with it",
+                                 hint="keep training ranks off the batch host, or restart from a checkpoint",
+                                 **self.where)
+        if len(death.ranks) != 1:
+            raise MigrationError(f"{death.node} ran ranks {list(death.ranks)}; recovery replaces exactly one per node",
+                                 hint="run one worker per node (--nproc-per-node 1)", **self.where)
+        survivors = self._survivors()
+        if not survivors:
+            raise MigrationError("no surviving node holds a replica of the lost rank's state",
+                                 hint="fall back to the job's last checkpoint", **self.where)
+        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0]}
+        p.seats.append(seat)
+        p.survivors = survivors
+        seat["target"], seat["target_addr"] = await self._take_spare()
+        if not p.target:
+            p.target, p.rank, p.target_addr = seat["target"], seat["rank"], seat["target_addr"]
+        p.port = WORMHOLE_PORT_BASE + p.new_gen
+        await self.phase(SPARE_CHOSEN, dead=death.node, rank=seat["rank"], spare=seat["target"])
+        await asyncio.to_thread(self.d.resizer.add_node, int(p.job), seat["target"])
+        await self.phase(SPARE_ADDED, spare=seat["target"])
+        donor = survivors[0]
+        tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone
+        self._adopt_template(tpl)
+        if tpl.env["MASTER_ADDR"] in p.dead:
+            raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
+                                 hint="restart the job from its last checkpoint", **self.where)
+        await self._start_joiner(tpl, seat["rank"], seat["target"], seat["target_addr"])
+        await self.phase(JOINER_READY, spare=seat["target"])
+
+    async def _absorb(self) -> None:
+        """Take in nodes that died since the last look (before the hand-over only)."""
+        while self._more:
+            death = self._more.pop(0)
+            if death.node in self.plan.dead:
+                continue
+            if self.plan.recover_sent:
+                raise MigrationError(f"{death.node} died too while the job recovered from {self.plan.source}'s "
+                                     f"failure, after the survivors' state was handed over",
+                                     hint="restart the job from its last checkpoint", **self.where)
+            self.log.warning("unplanned.second_failure", node=death.node, evidence=list(death.evidence))
+            if not any(s.available for s in await asyncio.to_thread(self.d.pool.list)):
+                raise MigrationError(f"{death.node} died too while the job recovered, and no second spare is free",
+                                     hint="add spares to the reservation, or restart from the last checkpoint",
+                                     **self.where)
+            await self._seat(death)
+
+    def _interrupted_steps(self) -> dict[str, int] | None:
+        """{rank: completed steps} once every survivor's workers are interrupted, else None."""
+        view = self.view()
+        steps: dict[str, int] = {}
+        for node in self.plan.survivors:
+            lp = view.launchpads.get(node)
+            if lp is None or not lp.online or not lp.workers:
+                return None
+            for w in lp.workers:
+                if w.get("state") != INTERRUPTED:
+                    return None
+                steps[str(w["rank"])] = int(w["step"])
+        return steps
+
+    async def _wait_interrupted(self) -> None:
+        """Until every survivor parked with its just-in-time state (bounded: a collective with
+        a lost peer raises within timeouts.collective, one step within timeouts.step)."""
+        p = self.plan
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.t.step + self.t.collective
+        while True:
+            await self._absorb()
+            p.survivors = [n for n in p.survivors if n not in p.dead]
+            steps = self._interrupted_steps()
+            if steps is not None:
+                break
+            if loop.time() > deadline:
+                view = self.view()
+                late = sorted(n for n in p.survivors if n not in view.launchpads
+                              or any(w.get("state") != INTERRUPTED for w in view.launchpads[n].workers))
+                raise MigrationError(f"survivors {late} did not report their workers interrupted within "
+                                     f"{self.t.step + self.t.collective:.0f} s",
+                                     hint="a rank hangs outside a collective; see its launchpad log", **self.where)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):  # heartbeats arrive every second: poll
+                await asyncio.wait_for(self._changed.wait(), 0.1)
+        view = self.view()
+        unregistered = sorted(n for n in p.survivors for w in view.launchpads[n].workers
+                              if w.get("registered") is False)
+        if unregistered:
+            raise MigrationError(f"workers on {unregistered} never called torchpass.register(save, load): "
+                                 "their state cannot be captured", hint="fall back to the job's last checkpoint",
+                                 **self.where)
+        rank_node = {w["rank"]: n for n in p.survivors for w in view.launchpads[n].workers}
+        p.donor, p.laggards, p.resume_step = choose_donor(steps, rank_node, where=self.where)
+        p.steps = steps
+        leaders = [n for n in p.survivors if n not in p.laggards]
+        if len(p.seats) > len(leaders):
+            raise MigrationError(f"{len(p.seats)} ranks were lost but only {len(leaders)} survivors are at step "
+                                 f"{p.resume_step}", hint="restart the job from its last checkpoint", **self.where)
+        await self.phase(INTERRUPTED_ALL, steps=steps, resume_step=p.resume_step, donor=p.donor,
+                         laggards=p.laggards)
+
+    def recover_args(self, addrs: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """The `recover` command for each survivor: donors stream a lost rank's state to its
+        joiner (and the first donor to the laggards, who listen for it); all re-enter the script."""
+        p = self.plan
+        base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step}
+        args = {n: dict(base) for n in p.survivors}
+        leaders = [p.donor, *[n for n in p.survivors if n not in p.laggards and n != p.donor]]
+        token = self.token.hex()
+        for seat, donor in zip(p.seats, leaders, strict=False):
+            args[donor].setdefault("donate", []).append(
+                {"rank": seat["rank"], "dest": {"host": seat["target_addr"], "port": p.port, "token": token}})
+        view = self.view()
+        for lag in p.laggards:
+            port = p.port + LAG_PORT_OFFSET
+            args[lag]["load_from"] = {"listen_host": "0.0.0.0", "port": port, "token": token}
+            addr = addrs.get(lag) or lag
+            args[p.donor].setdefault("donate", []).append(
+                {"rank": view.ranks_on(lag)[0], "dest": {"host": addr, "port": port, "token": token}})
+        for a in args.values():
+            if len(a.get("donate", ())) == 1:
+                a["donate"] = a["donate"][0]  # the contract's single form
+        return args
+
+    async def _recover(self) -> None:
+        p = self.plan
+        await self._absorb()
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        args = self.recover_args({n: nodes[n].addr for n in p.laggards if n in nodes and nodes[n].addr})
+        p.recover_sent = True
+        started = time.time()
+        results = await asyncio.gather(*(self.send(n, "recover", p.new_gen, a, timeout=self.t.reform)
+                                         for n, a in args.items()))
+        res = dict(zip(args, results, strict=True))
+        donor = res.get(p.donor) or {}
+        await self.phase(RECOVERED, recover_s=round(time.time() - started, 3), bytes=donor.get("bytes"),
+                         transfer_s=donor.get("seconds"))
+
+    async def finish(self) -> str:
+        """From the hand-over on: form generation G+1 with the joiner(s), resume at the failed
+        step, release the dead node(s). Also used by a restarted torchpassd."""
+        p = self.plan
+        members = [*p.survivors, *p.targets]
+        try:
+            await self._absorb()
+            await asyncio.gather(*(self.send(n, "reform", p.new_gen, self._reform_args(p.new_gen)) for n in members))
+            await self.phase(REFORMED)
+            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
+            p.resumed_at, p.gen_after, p.paused_step = time.time(), p.new_gen, p.resume_step
+            pause_s = p.resumed_at - p.failed_at
+            await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.resume_step)
+            problems = []
+            for node in p.dead:
+                try:
+                    await asyncio.to_thread(self.d.resizer.release_node, int(p.job), node)
+                except TorchPassError as exc:  # the job runs on; the node stays allocated (and dead)
+                    problems.append(f"releasing {node}: {exc}")
+        except TorchPassError as exc:
+            return await self.fail(str(exc))
+        self.d.metrics.migration_pause_seconds.observe(pause_s)
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="succeeded")
+        await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3), problems=problems,
+                         detect_s=round(max(0.0, self.detected_at - p.failed_at), 3))
+        for t in p.targets:
+            self.d.steps.pop(self._step_key(t), None)
+        return jn.SUCCEEDED
+
+    async def fail(self, reason: str, *, survivors_exit: bool = True) -> str:
+        """The job cannot be recovered: say why everywhere, let the spares go, and tell the
+        parked survivors to exit (the job ends; restart it from its last checkpoint). Without
+        ``survivors_exit`` they stay parked for another attempt."""
+        p = self.plan
+        self.failure = reason
+        self.log.error("unplanned.failed", error=reason)
+        problems: list[str] = []
+        if not p.recover_sent:
+            for t in p.targets:
+                problems += await self._drop_target(t)
+        if survivors_exit:
+            results = await asyncio.gather(*(self.send(n, "abort", p.gen, {"exit": True}, timeout=self.t.reform)
+                                             for n in p.survivors), return_exceptions=True)
+            problems += [f"{n}: {r}" for n, r in zip(p.survivors, results, strict=True)
+                         if isinstance(r, BaseException)]
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+        await self.phase(FAILED, jn.FAILED, error=reason, problems=problems)
+        return jn.FAILED
+
+
+async def resume_after_restart(rec: UnplannedRecovery, phase: str) -> str:
+    """A recovery a previous torchpassd left in ``phase``: before the hand-over the joiners it
+    started are gone with its steps and the survivors are still parked, so it fails (the failure
+    detector decides again and a new recovery starts from the evidence); after it, drive forward."""
+    if phase in BEFORE_RECOVER:
+        return await rec.fail(f"torchpassd restarted during phase {phase}, before the hand-over; "
+                              "the failure is decided again from the evidence", survivors_exit=False)
+    if phase in (RECOVERED, REFORMED, RESUMED):
+        return await rec.finish()
+    raise MigrationError(f"in-flight recovery is in unknown phase {phase}", **rec.where)
+
+
+class Driver:
+    """The orchestrator's unplanned side: owns the failure detector, turns its decisions into
+    recoveries (sharing the orchestrator's one-migration-per-job rule), and without a free spare
+    lets the job wait (survivors parked; `torchpassctl status` says why) or fails it, as
+    ``orchestrator.unplanned_no_spare`` says."""
+
+    def __init__(self, orch: Any, control_up: Callable[[], bool]) -> None:
+        self.o, self.d = orch, orch.d
+        self.policy = self.d.cfg.orchestrator.unplanned_no_spare
+        self.dead: dict[str, dict[str, Death]] = {}
+        self.running: dict[str, UnplannedRecovery] = {}
+        self._said: dict[str, str] = {}
+        self.detector = FailureDetector(self.d.cfg.timeouts, on_death=self.on_death, busy=self.busy,
+                                        nodes_of=self._nodes_of, control_up=control_up)
+        self.log = log.get()
+
+    def _nodes_of(self, job: str) -> tuple[str, ...]:
+        view = self.d.registry.jobs.get(job)
+        return view.nodes if view else ()
+
+    def busy(self, job: str, node: str) -> str:
+        """A planned migration off ``node`` runs: it owns the node until it ends."""
+        cur = self.o.current.get(job)
+        if job in self.o.active and isinstance(cur, planned.PlannedMigration) and cur.plan.source == node:
+            return f"a planned migration off {node} runs"
+        return ""
+
+    def on_death(self, death: Death) -> None:
+        self.d.metrics.failure_detect_seconds.observe(death.detect_s)
+        if death.job in self.running:
+            self.running[death.job].another_death(death)
+            return
+        self.dead.setdefault(death.job, {})[death.node] = death
+        self.o.pending.pop((death.job, death.node), None)  # a drain of it, if any, is moot now
+        self.o.kick()
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{**d.describe(), "waiting": self.d.registry.jobs[job].blocked if job in self.d.registry.jobs else ""}
+                for job, deaths in self.dead.items() for d in deaths.values()]
+
+    def forget(self, job: str) -> None:
+        self.dead.pop(job, None)
+        self.detector.forget(job)
+
+    def waits(self, job: str) -> bool:
+        """The job has dead nodes to recover (planned migrations of it wait)."""
+        return bool(self.dead.get(job)) or job in self.running
+
+    def kick(self) -> None:
+        for job, deaths in list(self.dead.items()):
+            if job in self.o.active or not deaths:
+                continue
+            view = self.d.registry.job(job)
+            why = self._blocked(job, deaths)
+            if why:
+                if self._said.get(job) != why:
+                    self.log.warning("unplanned.waiting", job=job, why=why)
+                    asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "unplanned.waiting",
+                                                          job_id=job, detail={"nodes": sorted(deaths), "why": why}))
+                self._said[job] = view.blocked = why
+                continue
+            self._said.pop(job, None)
+            view.blocked = ""
+            self.dead.pop(job)
+            self.o._spawn(job, self._recover(job, sorted(deaths.values(), key=lambda d: d.decided_at)))
+
+    def _blocked(self, job: str, deaths: dict[str, Death]) -> str:
+        if self.o.watcher.last is None:
+            return "waiting for the first Slurm poll"
+        if self.policy != "wait":
+            return ""  # fail: the recovery starts and fails clearly without a spare
+        spares = self.d.pool.list(self.o.watcher.last)
+        free = [s for s in spares if s.available]
+        if len(free) < len(deaths):
+            detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
+            return (f"{', '.join(sorted(deaths))} died; no spare free ({detail}); the survivors stay parked and "
+                    "the job recovers when one appears (orchestrator.unplanned_no_spare = wait)")
+        return ""
+
+    async def _recover(self, job: str, deaths: list[Death]) -> None:
+        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
+        gen = rec.gen if rec else 1
+        first = deaths[0]
+        reason = f"node {first.node} died: {'; '.join(first.evidence)}"
+        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=MODE, source=first.node,
+                                      reason=reason, gen=gen)
+        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": first.node,
+                                                              "reason": reason, "mode": MODE})
+        plan = UnplannedPlan(job=job, source=first.node, gen=gen, evidence=list(first.evidence),
+                             failed_at=min(d.failed_at for d in deaths))
+        flow = UnplannedRecovery(self.d, plan, mid, detected_at=first.decided_at, no_spare=self.policy)
+        await self._run(flow, flow.run(deaths))
+
+    async def _run(self, flow: UnplannedRecovery, work: Awaitable[str]) -> None:
+        job = flow.plan.job
+        self.running[job] = self.o.current[job] = flow
+        try:
+            status = await work
+        finally:
+            self.running.pop(job, None)
+        p = flow.plan
+        if status == jn.SUCCEEDED:
+            view = self.d.registry.job(job)
+            nodes = [n for n in (*view.nodes, *p.targets) if n not in p.dead]
+            await asyncio.to_thread(self.d.journal.upsert_job, job, user=view.user, mode=view.mode, state="RUNNING",
+                                    gen=p.gen_after, nodes=nodes, detail={"batch_host": view.batch_host})
+        elif not p.recover_sent and "restarted" in (flow.failure or ""):
+            for node in p.dead:
+                self.detector.undecide(job, node)  # judged again from the evidence
+
+    async def resume(self, rec: jn.MigrationRecord) -> None:
+        """A recovery a previous torchpassd left in flight."""
+        plan = UnplannedPlan.from_record(rec)
+        flow = UnplannedRecovery(self.d, plan, rec.id, detected_at=rec.started, no_spare=self.policy)
+        await self._run(flow, resume_after_restart(flow, rec.phase))
