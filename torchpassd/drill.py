@@ -1,6 +1,7 @@
 """``torchpassctl drill --mode planned-aware|gpu-degrade``: prove an installation end to end. Submits
 the example DDP job with ``sbatch --torchpass``, drains one of its nodes (never the batch host; in
-gpu-degrade mode torchpassd's health policy drains it, see drill_gpu.py),
+gpu-degrade mode torchpassd's health policy drains it, see drill_gpu.py; the unplanned modes
+kill or cut it instead, see drill_unplanned.py),
 waits for torchpassd's migration and for the job to finish, runs the same training locally under
 launchpad without a failure, and compares every per-step loss and the final parameter hashes."""
 
@@ -19,11 +20,11 @@ from typing import Any
 from slurm_plugin.connect import open_client, runner_for
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
-from torchpassd import drill_gpu
+from torchpassd import drill_gpu, drill_unplanned
 from torchpassd.ctl_client import DaemonClient
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
-MODES = ("planned-aware", drill_gpu.MODE)
+MODES = ("planned-aware", drill_gpu.MODE, *drill_unplanned.MODES)
 POLL = 0.5
 TERMINAL = ("succeeded", "failed", "rolled_back")
 
@@ -52,6 +53,8 @@ class DrillReport:
     bit_identical: bool = False
     error: str | None = None
     drain_reason: str = ""  # gpu-degrade: why torchpassd drained the node
+    fault: str = ""  # unplanned: kill or cut (drill_unplanned.py)
+    step_at_kill: int | None = None  # unplanned: the highest step any rank had started at the kill
     workdir: str = ""
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
@@ -125,7 +128,10 @@ class Drill:
             rep.workdir = str(workdir)
             self._submit(workdir)
             victim, rank = self._wait_gpu_drain() if self.mode == drill_gpu.MODE else self._wait_training()
-            self._drain_and_migrate(victim, rank, workdir)
+            if self.mode in drill_unplanned.MODES:
+                drill_unplanned.run(self, victim, rank, workdir)  # kill (or cut) instead of a drain
+            else:
+                self._drain_and_migrate(victim, rank, workdir)
         except TorchPassError as exc:
             rep.error = str(exc)
         finally:

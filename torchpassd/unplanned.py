@@ -223,7 +223,7 @@ class UnplannedRecovery(Flow):
         """The `recover` command for each survivor: donors stream a lost rank's state to its
         joiner (and the first donor to the laggards, who listen for it); all re-enter the script."""
         p = self.plan
-        base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step}
+        base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.seats)}
         args = {n: dict(base) for n in p.survivors}
         leaders = [p.donor, *[n for n in p.survivors if n not in p.laggards and n != p.donor]]
         token = self.token.hex()
@@ -249,7 +249,7 @@ class UnplannedRecovery(Flow):
         args = self.recover_args({n: nodes[n].addr for n in p.laggards if n in nodes and nodes[n].addr})
         p.recover_sent = True
         started = time.time()
-        results = await asyncio.gather(*(self.send(n, "recover", p.new_gen, a, timeout=self.t.reform)
+        results = await asyncio.gather(*(self.send(n, "recover", p.new_gen, a, timeout=self.t.decision)
                                          for n, a in args.items()))
         res = dict(zip(args, results, strict=True))
         donor = res.get(p.donor) or {}

@@ -1,7 +1,9 @@
 """A DDP training script written the way users write them for torchrun, made migratable by
 TorchPass with one call: ``torchpass.register(save=..., load=...)`` next to the checkpoint load.
 Seeds are set per step and the data position follows from the step, so any rank can continue
-from a saved state. Run: ``torchrun --nproc-per-node 2 ddp_train.py --steps 100`` (or launchpad).
+from a saved state and a failed step replays exactly (unplanned recovery needs both; losses are
+logged after the forward pass, so a rank killed mid-step has logged every step it began).
+Run: ``torchrun --nproc-per-node 2 ddp_train.py --steps 100`` (or launchpad).
 ``--log FILE`` writes one JSON line per step (rank, step, loss as float.hex) and a final hash."""
 
 from __future__ import annotations
@@ -90,14 +92,14 @@ def main() -> None:
         torch.manual_seed(100003 * step + rank)  # dropout depends only on (step, rank)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        if log:  # before the gradient all-reduce: a rank killed mid-step has logged every step it began
+            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
         loss.backward()
         opt.step()
         sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         progress["step"] = step + 1
-        if log:
-            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
     if log:
         log.write(json.dumps({"rank": rank, "final": param_hash(model), "steps": progress["step"],
                               "seconds": time.perf_counter() - started}) + "\n")

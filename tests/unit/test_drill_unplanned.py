@@ -1,0 +1,53 @@
+"""The unplanned drill's verdict on a training log split at the kill: the failed step may be
+logged twice (started before the kill, redone after) with the same loss; a completed step
+logged again, a replay with another loss or a skipped step fails the drill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchpassd.drill import DrillReport
+from torchpassd.drill_unplanned import judge
+
+
+def _write(path: Path, rows: list[tuple[int, int, str]], finals: bool = True) -> int:
+    text = "".join(json.dumps({"rank": r, "step": s, "loss": x}) + "\n" for r, s, x in rows)
+    if finals:
+        text += "".join(json.dumps({"rank": r, "final": "h"}) + "\n" for r in (0, 1))
+    path.write_text(text)
+    return len(text.encode())
+
+
+def _loss(r: int, s: int) -> str:
+    return f"{r}.{s}"
+
+
+@pytest.mark.parametrize("case", ["clean", "recomputed", "replayed_differently", "skipped"])
+def test_verdict(tmp_path: Path, case: str) -> None:
+    steps = 10
+    _write(tmp_path / "ref", [(r, s, _loss(r, s)) for s in range(steps) for r in (0, 1)])
+    # Rank 1 is killed during step 5 (both ranks had logged 5); rank 0 and the joiner redo 5.
+    before = [(r, s, _loss(r, s)) for s in range(6) for r in (0, 1)]
+    after = [(r, s, _loss(r, s)) for s in range(5, steps) for r in (0, 1)]
+    if case == "recomputed":
+        after.insert(0, (0, 4, _loss(0, 4)))
+    elif case == "replayed_differently":
+        after[0] = (0, 5, "other")
+    elif case == "skipped":
+        after = [row for row in after if row[:2] != (1, 5)]
+    offset = _write(tmp_path / "run", before, finals=False)
+    text = (tmp_path / "run").read_text()
+    _write(tmp_path / "tail", after)
+    (tmp_path / "run").write_text(text + (tmp_path / "tail").read_text())
+    rep = DrillReport()
+    judge(tmp_path / "run", tmp_path / "ref", rank=1, failed_step=5, offset=offset, report=rep)
+    assert rep.step_at_kill == 5 and rep.expected_step == 5
+    if case == "clean":
+        assert (rep.resumed_at_step, rep.lost_steps, rep.bit_identical, rep.error) == (5, 0, True, None)
+    elif case == "skipped":
+        assert rep.resumed_at_step == 6 != rep.expected_step  # the drill is not ok: step 5 never ran on rank 1
+    else:
+        assert rep.bit_identical is False and "recomputed or replayed differently" in (rep.error or "")

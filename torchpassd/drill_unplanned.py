@@ -1,0 +1,181 @@
+"""What ``torchpassctl drill --mode unplanned`` adds to the planned drill: instead of draining a
+node it kills one (never the batch host) for real - SIGKILL of its slurmd, launchpad and workers
+(on the dev cluster: everything in the node's namespace, `devcluster kill-node`; elsewhere: a job
+step on the node) - or cuts its network (``fault="cut"``, dev cluster only), waits for torchpassd's
+unplanned recovery, and judges the run: detect_s from the kill, the step in progress at the kill,
+resumed_at_step from the joiner's first logged step, lost steps, bit-identity.
+
+The example script logs each step's loss right after the forward pass (before the gradient
+all-reduce), so a rank killed mid-step has logged every step it started; survivors and the joiner
+log the failed step again when they redo it, with the same loss (the model seeds its randomness
+per (step, rank): the replay is exact). A repeated line is accepted only for the failed step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchpass_common.errors import MigrationError, TorchPassError
+
+if TYPE_CHECKING:
+    from torchpassd.drill import Drill
+
+MODE, CUT_MODE = "unplanned", "unplanned-cut"
+MODES = (MODE, CUT_MODE)
+FAULTS = ("kill", "cut")
+DEVCLUSTER = Path(__file__).resolve().parents[1] / "contrib" / "devcluster"
+
+
+def _devcluster() -> Any | None:
+    """The dev cluster instance this machine runs (TORCHPASS_DEVCLUSTER_ID), if it is up."""
+    if not (DEVCLUSTER / "tpdevcluster").is_dir():
+        return None
+    sys.path.insert(0, str(DEVCLUSTER))
+    try:
+        from tpdevcluster import instance  # noqa: PLC0415 - the dev cluster tool, off sys.path by default
+    finally:
+        sys.path.remove(str(DEVCLUSTER))
+    inst = instance.Instance.from_env()
+    return inst if inst.nodes else None
+
+
+class Fault:
+    """Kills (or cuts off) one node of the drill job, and undoes it after the drill."""
+
+    def __init__(self, drill: Drill, kind: str) -> None:
+        if kind not in FAULTS:
+            raise MigrationError(f"unknown fault {kind!r}", hint=f"use one of {', '.join(FAULTS)}")
+        self.drill, self.kind = drill, kind
+        self.inst = _devcluster()
+        conf = drill.cfg.slurm.slurm_conf or os.environ.get("SLURM_CONF", "")
+        if self.inst is not None and conf and Path(conf).resolve() != Path(self.inst.slurm_conf).resolve():
+            self.inst = None  # a dev cluster runs here, but the drill talks to another cluster
+        if kind == "cut" and self.inst is None:
+            raise MigrationError("the network-cut drill needs the dev cluster",
+                                 hint="use --fault kill on a real cluster")
+        self.node = ""
+
+    def inject(self, node: str, pids: list[int]) -> float:
+        """Strike ``node``; returns the wall time of the fault."""
+        self.node = node
+        if self.inst is not None:
+            sys.path.insert(0, str(DEVCLUSTER))
+            try:
+                from tpdevcluster import faults  # noqa: PLC0415
+            finally:
+                sys.path.remove(str(DEVCLUSTER))
+            at = time.time()
+            (faults.kill_node if self.kind == "kill" else faults.cut)(self.inst, node, self.drill.say)
+            return at
+        # A real cluster: a step on the node SIGKILLs the job's workers, their launchpad and slurmd.
+        script = ("for p in " + " ".join(map(str, pids)) + "; do kill -9 $(ps -o ppid= -p $p) $p; done; "
+                  "kill -9 $(pidof slurmd) $(pidof slurmstepd)")
+        at = time.time()
+        subprocess.run(["srun", f"--jobid={self.drill.report.job_id}", "-w", node, "-N1", "-n1", "--overlap",
+                        "sh", "-c", script], capture_output=True, timeout=60, check=False)
+        return at
+
+    def undo(self) -> None:
+        """Bring the node back (dev cluster; elsewhere the operator restarts its slurmd)."""
+        if self.inst is None or not self.node:
+            if self.node:
+                self.drill.say(f"[drill] {self.node}: restart its slurmd and resume it (scontrol update "
+                               f"nodename={self.node} state=resume)")
+            return
+        sys.path.insert(0, str(DEVCLUSTER))
+        try:
+            from tpdevcluster import faults  # noqa: PLC0415
+        finally:
+            sys.path.remove(str(DEVCLUSTER))
+        if self.kind == "cut":
+            faults.heal(self.inst, self.node, self.drill.say)
+        else:
+            faults.start_node(self.inst, self.node, self.drill.say)
+        with contextlib.suppress(TorchPassError):  # not down (yet): nothing to resume
+            self.drill.runner.run(["scontrol", "update", f"nodename={self.node}", "state=resume"])
+
+
+def judge(run_log: Path, ref_log: Path, rank: int, failed_step: int, offset: int, report: Any) -> None:
+    """Fill the report's verdict: ``offset`` is the training log's size at the kill. The step
+    in progress at the kill is the highest step logged before it; the lost rank resumed at the
+    first step logged for it after the kill (by its joiner). Lines repeated for the failed step
+    must repeat the same loss and are then counted once; any other repetition is a recomputed
+    step. Then the planned drill's comparison (lost steps, every loss, final hashes)."""
+    from torchpassd.drill import compare  # noqa: PLC0415 - drill imports this module
+
+    text = run_log.read_text()
+    cut = text.rfind("\n", 0, offset) + 1
+    before = [json.loads(ln) for ln in text[:cut].splitlines() if ln]
+    after = [json.loads(ln) for ln in text[cut:].splitlines() if ln]
+    report.step_at_kill = max((r["step"] for r in before if "step" in r and "loss" in r), default=None)
+    report.resumed_at_step = next((r["step"] for r in after if r.get("rank") == rank and "loss" in r), None)
+    seen: dict[tuple[int, int], str] = {}
+    kept, replays = [], []
+    for rec in [*before, *after]:
+        if "loss" in rec:
+            key = (rec["rank"], rec["step"])
+            if key in seen:
+                replays.append({"rank": key[0], "step": key[1], "same": seen[key] == rec["loss"]})
+                continue
+            seen[key] = rec["loss"]
+        kept.append(rec)
+    dedup = run_log.with_name(run_log.stem + ".dedup.log")
+    dedup.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = report.resumed_at_step
+    compare(dedup, ref_log, rank, failed_step, report)
+    report.resumed_at_step = resumed
+    report.expected_step = failed_step
+    bad = [r for r in replays if r["step"] != failed_step or not r["same"]]
+    if bad:
+        report.bit_identical = False
+        report.error = report.error or f"steps recomputed or replayed differently: {bad[:5]}"
+
+
+def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
+    """Strike ``victim`` while the job trains, follow the recovery, finish and judge the run."""
+    rep = drill.report
+    fault_kind = "cut" if drill.mode == CUT_MODE else "kill"
+    fault = Fault(drill, fault_kind)
+    rep.fault = fault_kind
+    job = drill._job() or {}
+    pids = [w["pid"] for w in (job.get("launchpads", {}).get(victim, {}).get("workers") or []) if "pid" in w]
+    log = workdir / "train.log"
+    try:
+        killed_at = fault.inject(victim, pids)
+        offset = log.stat().st_size if log.exists() else 0
+        drill._note(f"{fault_kind} {victim} (rank {rank})")
+        mig = drill._wait(f"the recovery from {victim}'s failure", lambda: next(
+            (m for m in drill.daemon.call("history", job=rep.job_id)
+             if m["source"] == victim and m["mode"] == "unplanned-aware" and m["status"] in ("succeeded", "failed")),
+            None))
+        rep.migrated_from, rep.migrated_to = victim, mig["target"] or ""
+        phases = mig["phases"]
+        rep.timeline = [{"phase": p["phase"], "status": p["status"], "seconds": round(p["seconds"], 3)}
+                        for p in phases]
+        for p in phases:
+            drill._note(f"  {p['phase']:<13} {p['status']:<11} +{p['seconds']:.3f}s")
+        if mig["status"] != "succeeded":
+            raise MigrationError(f"the recovery ended {mig['status']}: {mig['error']}", job=rep.job_id)
+        rep.detect_s = round(max(0.0, phases[0]["at"] - killed_at), 3)
+        resumed = next(p for p in phases if p["phase"] == "resumed")["detail"]
+        rep.pause_s = resumed["pause_s"]
+        failed_step = resumed["resumed_at_step"]
+        drill._note(f"rank {rank} rebuilt on {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s, "
+                    f"resumed at step {failed_step}")
+        drill._wait(f"job {rep.job_id} to finish",
+                    lambda: not (j := drill.slurm.job(int(rep.job_id))) or not j.active)
+    finally:
+        fault.undo()
+    drill._note("job finished; running the reference without a failure")
+    ref = workdir / "reference.log"
+    drill._reference(ref)
+    judge(log, ref, rank, failed_step, offset, rep)
+    if rep.step_at_kill is not None and not rep.step_at_kill <= failed_step <= rep.step_at_kill + 1:
+        rep.error = rep.error or (f"resumed at step {failed_step}, but the step in progress at the kill was "
+                                  f"{rep.step_at_kill}")
