@@ -148,13 +148,14 @@ class BrokerAdmin:
         return hmac.new(self._secret, f"broker-password:{job}".encode(), hashlib.sha256).hexdigest()
 
     async def ensure_job(self, job: str) -> tuple[str, str]:
-        """Create (or repair) ``job``'s client and role; returns (username, password)."""
+        """Create ``job``'s client and role unless they exist; returns (username, password).
+        An existing client is left alone: changing its password would make the broker
+        disconnect the job's launchpads (the password is derived, so it is the same anyway)."""
         name, password = self.username(job), self.password(job)
         await self._call([
             {"command": "createRole", "rolename": name, "acls": _acls(protocol.job_filter(job))},
             {"command": "createClient", "username": name, "password": password,
-             "textName": f"TorchPass job {job}", "roles": [{"rolename": name}]},
-            {"command": "setClientPassword", "username": name, "password": password}],
+             "textName": f"TorchPass job {job}", "roles": [{"rolename": name}]}],
             tolerate=("already exists",))
         self.log.info("broker.job_credentials_created", job=job, username=name)
         return name, password

@@ -103,6 +103,9 @@ async def test_ended_job_account_is_removed_and_kicked(secure_mosquitto: Mosquit
     assert again == creds  # a restarted torchpassd derives the same password; re-creating is harmless
     async with mqtt.ControlClient(secure_mosquitto.config(), "lp-21", credentials=creds) as lp:
         await lp.wait_connected(10)
+        await admin.ensure_job("21")  # another launchpad of the job asks: this one stays connected
+        await asyncio.sleep(0.5)
+        assert lp.connected and lp.connects == 1
         await admin.remove_job("21")
         for _ in range(100):
             if not lp.connected:

@@ -25,9 +25,9 @@ from torchpass_common.config import BrokerConfig
 START_TIMEOUT = 10.0
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -36,13 +36,13 @@ class Mosquitto:
     persistence; with ``auth`` the dynamic security file keeps accounts across restarts)."""
 
     def __init__(self, workdir: Path, port: int | None = None, *, auth: bool = False,
-                 tls: tuple[str, str, str] | None = None) -> None:
+                 tls: tuple[str, str, str] | None = None, host: str = "127.0.0.1") -> None:
         exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not os.access(exe, os.X_OK):
             raise RuntimeError("mosquitto is not installed: run `make setup` (contrib/install/install-deps.sh)")
         self.exe = exe
-        self.host = "127.0.0.1"
-        self.port = port or _free_port()
+        self.host = host
+        self.port = port or _free_port(host)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.conf = self.workdir / "mosquitto.conf"
