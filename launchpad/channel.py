@@ -18,7 +18,8 @@ from torchpass_common.errors import ProtocolError, WorkerError
 
 # States a worker reports through its messages, as heartbeats show them.
 _STATE_AFTER = {ac.HELLO: "running", ac.PAUSED: "paused", ac.PAUSE_MISSED: "running", ac.SAVED: "paused",
-                ac.JOINED: "joined", ac.REFORMED: "reformed", ac.RESUMED: "running", ac.ERROR: "error"}
+                ac.JOINED: "joined", ac.REFORMED: "reformed", ac.RESUMED: "running", ac.ERROR: "error",
+                ac.DETACHED: "detached"}
 
 
 @dataclass
@@ -35,6 +36,7 @@ class WorkerLink:
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
+    registered: bool = False  # the script called torchpass.register(save, load)
 
 
 class ChannelServer:
@@ -83,6 +85,7 @@ class ChannelServer:
         kind = msg["t"]
         if kind == ac.STEP:
             link.step, link.step_at = msg["step"], time.monotonic()
+            link.registered = bool(msg.get("registered", link.registered))
             return
         if "step" in msg:
             link.step = msg["step"]

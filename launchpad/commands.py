@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from launchpad.channel import WorkerLink
+from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
 
@@ -37,6 +38,7 @@ class Commands:
             "pause": self.pause, "save": self.save, "reform": self.reform, "resume": self.resume,
             "start_joiner": self.start_joiner, "abort": self.abort, "exit": self.exit,
         }
+        self.handlers.update(Transparent(agent).handlers)  # criu moves (--torchpass=transparent)
 
     async def execute(self, cmd: str, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         handler = self.handlers.get(cmd)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from launchpad import workers
+from launchpad import transparent, workers
 from launchpad.output import OutputRouter
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
@@ -50,9 +50,12 @@ class WorkerGroup:
         self.router = OutputRouter(spec, attempt=restarts)
         self.workers: dict[int, workers.Worker] = {}
         self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
+        self.hold = transparent.restore_target()
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
     async def start(self) -> None:
+        if self.hold:  # a spare's launchpad waiting for a worker criu restores here
+            return
         for local_rank in range(self.m.local_world_size):
             env = workers.worker_env(self.spec, self.m, local_rank, self.restarts, self.socket_path)
             await self._add(self.m.rank_offset + local_rank, local_rank, env)
@@ -67,10 +70,17 @@ class WorkerGroup:
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
         try:
-            w = await workers.spawn(self.spec, self.router, rank, local_rank, env)
+            if transparent.movable():
+                w = await transparent.spawn(self.spec, self.router, rank, local_rank, env)
+            else:
+                w = await workers.spawn(self.spec, self.router, rank, local_rank, env)
         except OSError as exc:
             raise WorkerError(f"cannot start worker: {exc}", rank=rank, node=self.spec.node,
                               hint="check the entrypoint path and that it is executable") from exc
+        return self.adopt(w)
+
+    def adopt(self, w: workers.Worker) -> workers.Worker:
+        """Supervise ``w`` as one of this node's workers (also a worker criu restored here)."""
         self.workers[w.pid] = w
         asyncio.create_task(self._watch(w))
         return w
@@ -85,14 +95,14 @@ class WorkerGroup:
         running = set(self.workers)
         stop_task = asyncio.create_task(stop.wait())
         try:
-            while running:
+            while running or (self.hold and not self.workers):
                 get = asyncio.create_task(self._exited.get())
                 done, _ = await asyncio.wait({get, stop_task}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
                     w = get.result()
                     running.discard(w.pid)
                     self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
-                    if w.returncode != 0:
+                    if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here
                         return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
                 else:
                     get.cancel()

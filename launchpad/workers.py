@@ -10,8 +10,9 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from launchpad.output import OutputRouter
 from launchpad.rendezvous import Membership
@@ -62,16 +63,21 @@ def worker_env(spec: LaunchSpec, m: Membership, local_rank: int, restarts: int,
 
 @dataclass
 class Worker:
-    """One running worker process and the tasks copying its output."""
+    """One running worker process and the tasks copying its output. A movable worker
+    (--torchpass=transparent, launchpad/transparent.py) runs under ``unshare``: ``proc`` is that
+    launcher, ``host_pid`` the worker itself; ``moved`` is set once criu moved it elsewhere."""
 
     rank: int
     local_rank: int
-    proc: asyncio.subprocess.Process
+    proc: Any
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    host_pid: int | None = None
+    control: int | None = None  # movable: launchpad's write end of the worker's control pipe
+    moved: bool = False
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.host_pid or self.proc.pid
 
     @property
     def returncode(self) -> int | None:
@@ -80,7 +86,7 @@ class Worker:
     def signal(self, sig: int) -> None:
         """Signal the worker's whole process group (it leads its own session)."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.pid, sig)
 
     async def wait(self) -> int:
         """Wait for the worker to exit; then kill what it left in its session (strays would hold
@@ -103,14 +109,48 @@ class Worker:
 
 
 async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: int,
-                env: Mapping[str, str]) -> Worker:
-    """Start one worker; its stdout/stderr are routed per rank."""
-    proc = await asyncio.create_subprocess_exec(
-        *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_agent, limit=_LINE_LIMIT)
-    assert proc.stdout is not None and proc.stderr is not None
+                env: Mapping[str, str], *, prefix: Sequence[str] = (), pass_fds: Sequence[int] = (),
+                os_pipes: bool = False) -> Worker:
+    """Start one worker; its stdout/stderr are routed per rank. ``prefix`` (e.g. criu_hooks.spawn's)
+    goes before its command line; ``pass_fds`` stay open in it; ``os_pipes``: its output goes to
+    real pipes (criu moves pipes; the event loop's own PIPE may be a socketpair, under uvloop)."""
+    if not os_pipes:
+        proc = await asyncio.create_subprocess_exec(
+            *prefix, *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_agent, limit=_LINE_LIMIT,
+            pass_fds=tuple(pass_fds))
+        assert proc.stdout is not None and proc.stderr is not None
+        streams = (proc.stdout, proc.stderr)
+    else:
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *prefix, *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w, start_new_session=True, preexec_fn=_die_with_agent, pass_fds=tuple(pass_fds))
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        streams = (await pipe_reader(out_r), await pipe_reader(err_r))
     worker = Worker(rank, local_rank, proc)
-    worker.pumps = [asyncio.create_task(router.pump(proc.stdout, rank, local_rank, "stdout")),
-                    asyncio.create_task(router.pump(proc.stderr, rank, local_rank, "stderr"))]
+    worker.pumps = pump_output(router, rank, local_rank, *streams)
     log.get(rank=rank).info("worker.started", local_rank=local_rank, pid=proc.pid)
     return worker
+
+
+async def pipe_reader(fd: int) -> asyncio.StreamReader:
+    """An asyncio reader on the read end ``fd`` of a pipe (it takes the fd over)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=_LINE_LIMIT, loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    return reader
+
+
+def pump_output(router: OutputRouter, rank: int, local_rank: int, stdout: asyncio.StreamReader,
+                stderr: asyncio.StreamReader) -> list[asyncio.Task[None]]:
+    """The tasks copying a worker's two output streams to their per-rank destinations."""
+    return [asyncio.create_task(router.pump(stdout, rank, local_rank, "stdout")),
+            asyncio.create_task(router.pump(stderr, rank, local_rank, "stderr"))]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchpass import ddp_layout, default_group, handover, steps
+from torchpass import criu_park, ddp_layout, default_group, handover, steps
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
@@ -46,7 +46,7 @@ class Agent:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self.chan.send(ac.message(ac.HELLO, rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
+        self.chan.send(ac.message(ac.HELLO, rank=self.rank, local_rank=self.local_rank, pid=criu_park.host_pid(),
                                   joining=self.joining))
         threading.Thread(target=self._read, name="torchpass-agent", daemon=True).start()
         steps.on_boundary(self._on_boundary)
@@ -75,7 +75,7 @@ class Agent:
             self._agent_gone()
 
     def _on_boundary(self, step: int) -> None:
-        self._send({"t": ac.STEP, "step": step})
+        self._send({"t": ac.STEP, "step": step, "registered": self.save_fn is not None})  # aware move possible
         if self._wake:
             self._serve_running(step)
 
@@ -164,6 +164,8 @@ class Agent:
             return True
         elif kind == ac.EXIT:
             self._exit()
+        elif kind == ac.DETACH:  # transparent mode: criu moves this process now (criu_park)
+            criu_park.detach(self)
         elif kind == ac.PAUSE and msg["at_step"] > step:
             self._pause, self._wake = msg, True  # go on training and park again there
             return True

@@ -122,6 +122,14 @@ class TorchPassGroup(dist.ProcessGroup):
         if self._inner is not None:
             self._inner.shutdown()
 
+    def release(self) -> None:
+        """Shut the inner group down and drop it, so its sockets close (shutdown() alone leaves
+        gloo's listening socket open): what a worker does before criu moves it. Until the next
+        reconfigure the group is local; call it only while parked."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.shutdown()
+
     def abort(self) -> None:
         if self._inner is not None:
             self._inner.abort()

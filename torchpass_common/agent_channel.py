@@ -22,13 +22,14 @@ from torchpass_common.errors import ProtocolError
 ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
 ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_host", "port", "token"}
+ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 
 MAX_FRAME = 1 << 20  # control messages only; state travels by file or the wormhole
 _HEADER = struct.Struct(">I")
 
 # worker -> agent
 HELLO = "hello"
-STEP = "step"
+STEP = "step"  # also says "registered": whether the script called torchpass.register(save, load)
 PAUSED = "paused"
 PAUSE_MISSED = "pause_missed"
 SAVED = "saved"
@@ -37,12 +38,14 @@ JOINED = "joined"
 REFORMED = "reformed"
 RESUMED = "resumed"
 ERROR = "error"
+DETACHED = "detached"  # transparent mode: sockets dropped, the channel closes next (criu may dump now)
 # agent -> worker
 PAUSE = "pause"
 SAVE = "save"
 REFORM = "reform"
 RESUME = "resume"
 EXIT = "exit"
+DETACH = "detach"  # transparent mode, while parked: drop what criu cannot carry, wait on the control fd
 
 _NUMBER = (int, float)
 # Required fields of each message type and the types they must have. Extra fields are allowed
@@ -58,12 +61,14 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     REFORMED: {"gen": int},
     RESUMED: {"gen": int},
     ERROR: {"msg": str},
+    DETACHED: {"step": int},
     PAUSE: {"gen": int, "at_step": int},
     SAVE: {"dest": dict},
     REFORM: {"gen": int, "rank": int, "world_size": int, "store_host": str, "store_port": int,
              "prefix": str},
     RESUME: {"gen": int},
     EXIT: {},
+    DETACH: {},
 }
 
 

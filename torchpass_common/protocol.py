@@ -23,7 +23,9 @@ TOPIC_ROOT = "torchpass/v1/jobs"
 
 HEARTBEAT, STATE, COMMAND, ACK, EVENT = "heartbeat", "state", "command", "ack", "event"
 KINDS = frozenset({HEARTBEAT, STATE, COMMAND, ACK, EVENT})
-COMMANDS = frozenset({"pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit"})
+COMMANDS = frozenset({"pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
+                      # transparent (criu) moves: launchpad/transparent.py
+                      "preflight", "prepare_restore", "checkpoint", "restore", "discard", "resume_original"})
 
 # Topic leaf <-> message kind: a message is only accepted on the leaf of its kind.
 _LEAF_OF_KIND = {HEARTBEAT: "hb", STATE: "state", COMMAND: "cmd", ACK: "ack", EVENT: "events"}

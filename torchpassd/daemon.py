@@ -26,7 +26,7 @@ from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
-from torchpassd import broker_auth, planned, sdnotify, unplanned
+from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
@@ -145,10 +145,12 @@ class Orchestrator:
     async def _migrate(self, job: str, node: str, seen: float, reason: str) -> None:
         rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
         gen = rec.gen if rec else 1
-        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=planned.MODE, source=node,
+        flow = transparent.TransparentMigration if self.d.registry.job(job).mode == "transparent" \
+            else planned.PlannedMigration
+        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=flow.mode, source=node,
                                       reason=reason, gen=gen)
         await self.d.publish_event(job, "migration.started", {"migration": mid, "source": node, "reason": reason})
-        mig = planned.PlannedMigration(self.d, planned.Plan(job=job, source=node, gen=gen), mid, detected_at=seen)
+        mig = flow(self.d, planned.Plan(job=job, source=node, gen=gen), mid, detected_at=seen)
         self.current[job] = mig
         await self._conclude(mig, await mig.run())
 

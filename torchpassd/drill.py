@@ -20,11 +20,11 @@ from typing import Any
 from slurm_plugin.connect import open_client, runner_for
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
-from torchpassd import drill_gpu, drill_unplanned
+from torchpassd import drill_gpu, drill_transparent, drill_unplanned
 from torchpassd.ctl_client import DaemonClient
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
-MODES = ("planned-aware", drill_gpu.MODE, *drill_unplanned.MODES)
+MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplanned.MODES)
 POLL = 0.5
 TERMINAL = ("succeeded", "failed", "rolled_back")
 
@@ -107,6 +107,9 @@ class Drill:
         self.slurm = open_client(cfg.slurm)
         self.t0 = time.monotonic()
         self.report = DrillReport(mode=mode)  # report.json names the mode too
+        transparent = mode == drill_transparent.MODE  # a script without TorchPass code, moved by criu
+        self.script = drill_transparent.SCRIPT if transparent else EXAMPLE
+        self.sbatch_mode = drill_transparent.SBATCH_MODE if transparent else "aware"
 
     def _wait(self, what: str, check: Callable[[], Any], timeout: float | None = None) -> Any:
         deadline = time.monotonic() + (timeout or self.s.timeout)
@@ -155,9 +158,9 @@ class Drill:
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
             config=self.cfg.source or "", prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
-            nodes=s.nodes, port=s.rdzv_port, example=EXAMPLE,
+            nodes=s.nodes, port=s.rdzv_port, example=self.script,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}", log=workdir / "train.log"))
-        out = self.runner.run(["sbatch", "--parsable", "--torchpass=aware", f"-N{s.nodes}",
+        out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", f"-N{s.nodes}",
                                "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))
         self.report.job_id = out.strip().split(";")[0]
         self._note(f"submitted job {self.report.job_id} ({s.nodes} nodes, {s.steps} steps)")
@@ -230,7 +233,7 @@ class Drill:
     def _reference(self, log: Path) -> None:
         s = self.s
         argv = [sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(s.nodes),
-                str(EXAMPLE), "--steps", str(s.steps), "--log", str(log)]
+                str(self.script), "--steps", str(s.steps), "--log", str(log)]
         try:
             env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}  # no control plane
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.s.timeout, check=False, env=env)

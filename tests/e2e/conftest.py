@@ -141,15 +141,16 @@ class Training:
     """The example DDP job submitted with ``sbatch --torchpass``, one worker per node."""
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
-                 nodes: int = 4) -> None:
+                 nodes: int = 4, script: Path = EXAMPLE, mode: str = "aware", env: str = "") -> None:
+        """``script`` trains (``mode``: its --torchpass mode); ``env``: more exports, "NAME=value ...". """
         self.cluster, self.steps, self.nodes = cluster, steps, nodes
         self.log = workdir / "train.log"
-        script = (f"#!/bin/bash\nexport TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config}\n"
+        script = (f"#!/bin/bash\nexport TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config} {env}\n"
                   f"srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:29500 "
-                  f"{EXAMPLE} --steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
+                  f"{script} --steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)
-        res = subprocess.run(["sbatch", "--parsable", "--torchpass=aware", f"-N{nodes}", "-o",
+        res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", f"-N{nodes}", "-o",
                               str(workdir / "slurm-%j.out"), str(workdir / "train.sh")],
                              capture_output=True, text=True, cwd=workdir, timeout=60,
                              env=dict(cluster.env, SLURM_CONF=client_conf), check=True)
@@ -171,21 +172,21 @@ class Training:
 
 
 @pytest.fixture(scope="session")
-def reference(e2e_dir: Path) -> Callable[[int], tuple[list[tuple[int, int, str]], dict[int, str]]]:
-    """The example training without any failure (4 workers under launchpad on this machine),
-    computed once per step count."""
-    cache: dict[int, tuple[list[tuple[int, int, str]], dict[int, str]]] = {}
+def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], dict[int, str]]]:
+    """The example training (or ``script``) without any failure (4 workers under launchpad on this
+    machine), computed once per script and step count."""
+    cache: dict[tuple[int, Path], tuple[list[tuple[int, int, str]], dict[int, str]]] = {}
 
-    def get(steps: int) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
-        if steps not in cache:
-            log = e2e_dir / f"reference-{steps}.log"
+    def get(steps: int, script: Path = EXAMPLE) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+        if (steps, script) not in cache:
+            log = e2e_dir / f"reference-{script.stem}-{steps}.log"
             log.unlink(missing_ok=True)
             env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}
             subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", "4",
-                            str(EXAMPLE), "--steps", str(steps), "--log", str(log)],
+                            str(script), "--steps", str(steps), "--log", str(log)],
                            check=True, timeout=600, env=env, capture_output=True)
-            cache[steps] = read_log(log)
-        return cache[steps]
+            cache[(steps, script)] = read_log(log)
+        return cache[(steps, script)]
     return get
 
 

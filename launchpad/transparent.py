@@ -1,0 +1,376 @@
+"""launchpad's side of a transparent (criu) move, for jobs run with --torchpass=transparent: workers
+start movable (criu_hooks.spawn: own PID namespace, own session, a control pipe), and the commands
+preflight / checkpoint / discard / resume_original (source) and prepare_restore / restore (spare)
+move one parked worker's process: its memory pages by criu's page server, the rest of its images by
+the wormhole, its stdout/stderr re-attached to this launchpad's pipes. Dump, transfer and restore
+are timed in the acks. Deciding when to move and what to do on a failure is torchpassd's job."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from criu_hooks import preflight, runner
+from criu_hooks import spawn as criu_spawn
+from criu_hooks.errors import CriuFailed, CriuUnavailable
+from launchpad import workers
+from launchpad.output import OutputRouter
+from launchpad.spec import LaunchSpec
+from launchpad.wormhole import File, StateReceiver, send_state
+from torchpass_common import agent_channel as ac
+from torchpass_common import log
+from torchpass_common.errors import MigrationError, ProtocolError, TorchPassError, WorkerError
+
+if TYPE_CHECKING:
+    from launchpad.agent import Agent
+    from launchpad.channel import WorkerLink
+
+ENV_MODE = "TORCHPASS"  # the job's --torchpass mode, exported by the SPANK plugin
+ENV_RESTORE_TARGET = "TORCHPASS_RESTORE_TARGET"  # "1": start no worker, wait for one criu restores here
+# Fault injection for tests, in the job's environment: "dump" (criu dump without --tcp-close, which
+# criu refuses for the worker's live store connection) or "restore" (the memory pages lost on the
+# way). Both make criu itself fail; the flow must then keep or bring back the original worker.
+ENV_FAULT = "TORCHPASS_CRIU_FAULT"
+_SOCKETS_CLOSED_S = 10.0
+
+
+def movable() -> bool:
+    """Start this node's workers so that criu can move them (the job asked for transparent mode)."""
+    return os.environ.get(ENV_MODE) == "transparent"
+
+
+def restore_target() -> bool:
+    return os.environ.get(ENV_RESTORE_TARGET) == "1"
+
+
+async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: int,
+                env: Mapping[str, str]) -> workers.Worker:
+    """Start a movable worker: criu_hooks.spawn's prefix, its control pipe's read end passed in
+    (TORCHPASS_CONTROL_FD); the Worker's pid is the worker's own, not its launcher's."""
+    ctl_r, ctl_w = os.pipe()
+    try:
+        w = await workers.spawn(spec, router, rank, local_rank, {**env, ac.ENV_CONTROL_FD: str(ctl_r)},
+                                prefix=criu_spawn.PREFIX, pass_fds=(ctl_r,), os_pipes=True)
+    except BaseException:
+        os.close(ctl_w)
+        raise
+    finally:
+        os.close(ctl_r)
+    w.control = ctl_w
+    w.host_pid = await _inner_pid(w.proc.pid, rank)
+    log.get(rank=rank).info("worker.movable", launcher=w.proc.pid, pid=w.host_pid)
+    return w
+
+
+async def _inner_pid(launcher: int, rank: int, timeout: float = 30.0) -> int:
+    """The worker under ``launcher`` (unshare) once it leads its own session."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pids = children.read_text().split()
+            if pids and criu_spawn.session_of(int(pids[0])) == int(pids[0]):
+                return int(pids[0])
+        except OSError:
+            if not Path(f"/proc/{launcher}").exists():
+                break
+        await asyncio.sleep(0.005)
+    raise WorkerError(f"the movable worker under launcher {launcher} did not start within {timeout:.0f} s",
+                      rank=rank, hint="is util-linux unshare available, and may this user make PID namespaces?")
+
+
+class Adopted:
+    """A restored worker as a Worker's ``proc``: criu left it to this launchpad (a child subreaper),
+    which reaps it from a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        self._done: asyncio.Future[int] = loop.create_future()
+
+        def reap() -> None:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            loop.call_soon_threadsafe(self._finish, code)
+        threading.Thread(target=reap, name=f"reap-{pid}", daemon=True).start()
+
+    def _finish(self, code: int) -> None:
+        self.returncode = code
+        if not self._done.done():
+            self._done.set_result(code)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+
+@dataclass
+class _Incoming:
+    """A spare's half of one move, from prepare_restore to restore."""
+
+    images: Path
+    server: runner.PageServer
+    state: asyncio.Future[Any]
+
+
+def _where(agent: Agent, migration: str, **more: Any) -> dict[str, Any]:
+    return {"job": agent.spec.job, "node": agent.node, "migration": migration, **more}
+
+
+class Transparent:
+    """The transparent-move commands of one launchpad (merged into Commands.handlers)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.incoming: dict[str, _Incoming] = {}
+        self.originals: dict[str, workers.Worker] = {}  # migration -> the dumped, stopped worker
+        self.handlers = {"preflight": self.preflight, "prepare_restore": self.prepare_restore,
+                         "checkpoint": self.checkpoint, "restore": self.restore, "discard": self.discard,
+                         "resume_original": self.resume_original}
+        atexit.register(self._stop_servers)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _worker(self, rank: int) -> tuple[WorkerLink | None, workers.Worker]:
+        group = self.agent.group
+        for w in (group.workers.values() if group else ()):
+            link = self.agent.channel.links.get(w.pid)
+            if w.returncode is None and (link.rank if link else w.rank) == rank and not (link and link.joining):
+                return link, w
+        raise WorkerError("no running (non-joining) worker has this rank here", rank=rank, node=self.agent.node)
+
+    def _stop_servers(self) -> None:
+        for inc in self.incoming.values():
+            inc.server.stop()
+
+    async def _reattached(self, pid: int, old: WorkerLink | None, rank: int) -> None:
+        """Until the worker ``pid`` has said hello again (a new link) on this launchpad's channel."""
+        deadline = time.monotonic() + self.agent.timeouts.reform
+        while time.monotonic() < deadline:
+            link = self.agent.channel.links.get(pid)
+            if link is not None and link is not old and link.connected:
+                return
+            await asyncio.sleep(0.02)
+        raise WorkerError(f"the worker did not reconnect within {self.agent.timeouts.reform:.0f} s", rank=rank,
+                          pid=pid, node=self.agent.node)
+
+    def _tell(self, w: workers.Worker, rank: int) -> None:
+        """Write ``reconnect PATH`` (this launchpad's channel) into the worker's control pipe."""
+        if w.control is None:
+            raise WorkerError("this worker has no control pipe (not started movable)", rank=rank)
+        os.write(w.control, f"reconnect {self.agent.channel.path}\n".encode())
+
+    # ---- source ----------------------------------------------------------------------------
+    async def preflight(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Before anything is paused: why worker ``rank`` cannot be moved with criu (empty: it can),
+        and whether its script registered save/load (then a model-aware move is the fallback)."""
+        rank = _int(args, "rank")
+        link, w = self._worker(rank)
+        reasons = await asyncio.to_thread(preflight.reasons, w.pid)
+        if w.control is None:
+            reasons.append(f"worker rank {rank} was not started movable: the job runs without "
+                           "--torchpass=transparent")
+        return {"reasons": reasons, "registered": bool(link and link.registered), "pid": w.pid}
+
+    async def checkpoint(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Detach the parked worker ``rank``, criu-dump it (pages to the spare's page server at
+        ``page_host:page_port``), and send the other images by the wormhole to ``host:port``. The
+        dumped worker stays stopped here until discard or resume_original. A failed dump leaves
+        it running here: it reconnects, still parked, and the ack is the error."""
+        rank, where = _int(args, "rank"), _where(self.agent, migration, rank=_int(args, "rank"))
+        page = (str(args.get("page_host")), _int(args, "page_port"))
+        dest = (str(args.get("host")), _int(args, "port"), bytes.fromhex(str(args.get("token", ""))))
+        link, w = self._worker(rank)
+        if link is None or w.control is None:
+            raise MigrationError("the worker is not movable or not connected", hint="see preflight", **where)
+        timeouts = self.agent.timeouts
+        await self.agent.channel.request(link, ac.message(ac.DETACH), lambda r: r["t"] == ac.DETACHED, timeouts.reform)
+        await link.chan.close()
+        await _sockets_closed(w.pid, where)
+        ctl_fd = _control_fd_of(w)
+        pipes = {str(fd): name for fd, name in criu_spawn.stdio_pipes(w.pid).items()}  # msgpack: str keys
+        resources = {"pipes": pipes, "control": os.readlink(f"/proc/{w.pid}/fd/{ctl_fd}")}
+        images = self.agent._tmp / f"dump-{migration[:12]}"
+        fault = os.environ.get(ENV_FAULT) == "dump"
+        try:
+            dumped = await asyncio.to_thread(runner.dump, w.pid, images, tcp_close=not fault, page_server=page,
+                                             timeout=timeouts.decision, where=where)
+        except (CriuFailed, CriuUnavailable) as exc:
+            self._tell(w, rank)  # criu left it running: back on this channel, still parked
+            await self._reattached(w.pid, link, rank)
+            raise MigrationError(f"criu dump failed, rank {rank} goes on here: {exc.message}", **where) from exc
+        self.originals[migration] = w
+        t0 = time.monotonic()
+        files = {f.name: File(f) for f in sorted(images.iterdir()) if f.is_file()}
+        try:
+            stats = await asyncio.to_thread(send_state, {"resources": resources, "files": files}, *dest,
+                                            timeout=timeouts.reform, context=where)
+        except TorchPassError as exc:
+            await self.resume_original({"rank": rank}, gen, migration)
+            raise MigrationError(f"sending the images failed, rank {rank} goes on here: {exc.message}",
+                                 **where) from exc
+        return {"dump_s": round(dumped.seconds, 4), "frozen_s": dumped.frozen_seconds,
+                "image_bytes": dumped.image_bytes, "transfer_s": round(time.monotonic() - t0, 4),
+                "transfer_bytes": stats.bytes, "pid": w.pid}
+
+    async def discard(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """The move succeeded: kill the stopped original (its PID namespace goes with it)."""
+        w = self.originals.pop(migration, None)
+        if w is None:
+            return {"discarded": None}
+        w.moved = True
+        runner.discard_original(w.pid)
+        if w.control is not None:
+            os.close(w.control)
+            w.control = None
+        return {"discarded": w.pid}
+
+    async def resume_original(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """The move failed after the dump: let the stopped original go on here, reconnected and
+        still parked (it re-forms with the others). A no-op when it was never detached."""
+        w = self.originals.pop(migration, None)
+        if w is None:
+            return {"resumed": None}
+        old = self.agent.channel.links.get(w.pid)
+        runner.resume_original(w.pid)
+        self._tell(w, w.rank)
+        await self._reattached(w.pid, old, w.rank)
+        return {"resumed": w.pid}
+
+    # ---- spare -----------------------------------------------------------------------------
+    async def prepare_restore(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Before the dump: a criu page server on ``page_host:page_port`` and a wormhole receiver on
+        ``port`` (``token``) for the other images."""
+        where = _where(self.agent, migration)
+        if migration in self.incoming:
+            return {"images": str(self.incoming[migration].images)}
+        images = self.agent._tmp / f"restore-{migration[:12]}"
+        runner.become_subreaper()  # restored workers become this launchpad's children
+        try:
+            server = await asyncio.to_thread(runner.PageServer, images, str(args.get("page_host")),
+                                             _int(args, "page_port"), where=where)
+        except (CriuFailed, CriuUnavailable) as exc:
+            raise MigrationError(f"cannot receive the worker's pages: {exc.message}", **where) from exc
+        try:
+            rx = StateReceiver("0.0.0.0", _int(args, "port"), bytes.fromhex(str(args.get("token", ""))),
+                               files_dir=images, context=where)
+        except TorchPassError:
+            server.stop()
+            raise
+        state = asyncio.wrap_future(rx.start(self.agent.timeouts.decision))
+        self.incoming[migration] = _Incoming(images, server, state)
+        return {"images": str(images)}
+
+    async def restore(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Restore the worker dumped for ``migration`` here as rank ``rank``, its output re-attached
+        to this launchpad, and wait until it has reconnected (parked, for the re-form)."""
+        rank = _int(args, "rank")
+        where = _where(self.agent, migration, rank=rank)
+        inc = self.incoming.pop(migration, None)
+        if inc is None:
+            raise MigrationError("restore before prepare_restore", hint="torchpassd sends prepare_restore first",
+                                 **where)
+        group = self.agent.group
+        if group is None:
+            inc.server.stop()
+            raise WorkerError("no worker group on this launchpad", **where)
+        try:
+            received = await inc.state
+            pages = await asyncio.to_thread(inc.server.wait, self.agent.timeouts.reform)
+        except TorchPassError as exc:
+            inc.server.stop()
+            raise MigrationError(f"the worker's images did not arrive: {exc.message}", **where) from exc
+        if os.environ.get(ENV_FAULT) == "restore":
+            for f in inc.images.glob("pages-*.img"):
+                f.unlink()
+        res = received["resources"]
+        loop = asyncio.get_running_loop()
+        fds: list[int] = []
+        try:
+            inherit, readers = {}, {}
+            for resource in sorted(set(res["pipes"].values())):
+                r, wfd = os.pipe()
+                fds += [r, wfd]
+                inherit[resource], readers[resource] = wfd, r
+            ctl_r, ctl_w = os.pipe()
+            fds += [ctl_r]
+            inherit[res["control"]] = ctl_r
+            try:
+                restored = await asyncio.to_thread(runner.restore, inc.images, inherit=inherit,
+                                                   timeout=self.agent.timeouts.decision, where=where)
+            except (CriuFailed, CriuUnavailable) as exc:
+                os.close(ctl_w)
+                raise MigrationError(f"criu restore failed: {exc.message}",
+                                     hint="the original worker is still on its node, stopped: resume it",
+                                     **where) from exc
+            streams, seen = [], set()
+            for fd in ("1", "2"):  # one reader per pipe (stdout and stderr may share one)
+                resource = res["pipes"].get(fd)
+                fresh = resource is not None and resource not in seen
+                streams.append(await workers.pipe_reader(os.dup(readers[resource])) if fresh else _empty(loop))
+                seen.add(resource)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        w = workers.Worker(rank, 0, Adopted(restored.pid), control=ctl_w)
+        w.pumps = workers.pump_output(group.router, rank, w.local_rank, *streams)
+        group.adopt(w)
+        self._tell(w, rank)
+        try:
+            await self._reattached(w.pid, None, rank)
+        except WorkerError:
+            await w.stop(signal.SIGKILL, 1.0)
+            raise
+        log.get(**where).info("transparent.restored", pid=w.pid, seconds=round(restored.seconds, 4), pages=pages)
+        return {"restore_s": round(restored.seconds, 4), "pid": w.pid, "page_bytes": pages}
+
+
+def _int(args: dict[str, Any], name: str) -> int:
+    value = args.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"command argument {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _control_fd_of(w: workers.Worker) -> int:
+    environ = Path(f"/proc/{w.pid}/environ").read_bytes().split(b"\0")
+    value = next((e.split(b"=", 1)[1] for e in environ if e.startswith(ac.ENV_CONTROL_FD.encode() + b"=")), b"")
+    if not value.isdigit():
+        raise WorkerError("the worker's environment names no control pipe", pid=w.pid, rank=w.rank)
+    return int(value)
+
+
+async def _sockets_closed(pid: int, where: dict[str, Any]) -> None:
+    """Until the worker holds no unix socket (it closes the agent channel after detached): criu
+    refuses a connected unix stream socket whose peer is outside the dumped tree."""
+    deadline = time.monotonic() + _SOCKETS_CLOSED_S
+    while True:
+        rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+        unix = {row[6] for row in rows if len(row) > 6}  # Num RefCount Protocol Flags Type St Inode [Path]
+        held = set()
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in unix:
+                held.add(target)
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            log.get(**where).warning("transparent.unix_sockets_left", sockets=sorted(held))
+            return  # criu says what it cannot dump
+        await asyncio.sleep(0.02)
+
+
+def _empty(loop: asyncio.AbstractEventLoop) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader(loop=loop)
+    reader.feed_eof()
+    return reader
