@@ -64,6 +64,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
                        f"hb {lp['heartbeat_age']}s  {ranks}")
     for p in st["pending"]:
         click.echo(f"wanted: move job {p['job']} off {p['node']} ({p['reason']}) since {_when(p['since'])}")
+    for dead in st.get("dead", []):  # unplanned: nodes found dead whose recovery has not started
+        click.echo(f"dead: {dead['node']} of job {dead['job']} (ranks {dead['ranks']}): {'; '.join(dead['evidence'])}"
+                   + (f"  WAITING: {dead['waiting']}" if dead["waiting"] else ""))
     if st["in_flight"]:
         click.echo(f"in flight: {', '.join(st['in_flight'])}")
 
