@@ -16,7 +16,7 @@ def main(ctx: click.Context, config_path: str | None) -> None:
     ctx.obj = {"config_path": config_path}
 
 
-from torchpassd import ctl_ops, ctl_slurm  # noqa: E402 - commands register on the group defined above
+from torchpassd import ctl_goodput, ctl_ops, ctl_slurm  # noqa: E402 - commands register on the group defined above
 
-for _command in (*ctl_slurm.COMMANDS, *ctl_ops.COMMANDS):
+for _command in (*ctl_slurm.COMMANDS, *ctl_ops.COMMANDS, *ctl_goodput.COMMANDS):
     main.add_command(_command)

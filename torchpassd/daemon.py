@@ -19,8 +19,10 @@ from typing import Any
 
 from slurm_plugin import events as ev
 from slurm_plugin import node_admin
+from slurm_plugin.client import SlurmClient
 from slurm_plugin.connect import open_client, runner_for
 from slurm_plugin.resize import JobResizer
+from slurm_plugin.runner import SlurmRunner
 from slurm_plugin.spares import SparePool, spares_of
 from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
@@ -187,7 +189,8 @@ class Orchestrator:
         if rec.mode == unplanned.MODE:
             await self.unplanned.resume(rec)
             return
-        mig = planned.PlannedMigration(self.d, planned.Plan.from_record(rec), rec.id, detected_at=rec.started)
+        flow = transparent.TransparentMigration if rec.mode == transparent.MODE else planned.PlannedMigration
+        mig = flow(self.d, planned.Plan.from_record(rec), rec.id, detected_at=rec.started)
         await self._conclude(mig, await planned.resume_after_restart(mig, rec.phase))
 
     # ---- control socket ----------------------------------------------------------------------
@@ -263,14 +266,16 @@ async def _tick(orch: Orchestrator, every: float) -> None:
         orch.kick()
 
 
-async def serve(cfg: Config) -> int:
-    """Run torchpassd until SIGTERM/SIGINT; returns the exit code."""
+async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmRunner | None = None) -> int:
+    """Run torchpassd until SIGTERM/SIGINT; returns the exit code. ``slurm`` and ``runner`` replace
+    the configured Slurm backend and command runner (bench/scale.py's simulated cluster)."""
     logger = log.get()
     cfg.timeouts.validate()
     state_dir = Path(cfg.orchestrator.state_dir)
     journal = jn.Journal(state_dir / "journal.sqlite")
-    slurm = await asyncio.to_thread(open_client, cfg.slurm)
-    resizer = JobResizer(runner_for(cfg.slurm), slurm, spare_reservation=cfg.slurm.spare_reservation)
+    slurm = slurm or await asyncio.to_thread(open_client, cfg.slurm)
+    runner = runner or runner_for(cfg.slurm)
+    resizer = JobResizer(runner, slurm, spare_reservation=cfg.slurm.spare_reservation)
     watcher = Watcher(slurm, interval=cfg.slurm.poll_interval, spare_reservation=cfg.slurm.spare_reservation)
     metrics, registry = Metrics(), Registry()
     stop = asyncio.Event()
@@ -297,7 +302,7 @@ async def serve(cfg: Config) -> int:
         orch = Orchestrator(deps, watcher, control_up=lambda: client.connected)
         accounts = broker_auth.JobAccounts.from_config(cfg, slurm)  # per-job broker accounts (or None)
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
-                             drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner_for(cfg.slurm), node, reason))
+                             drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner, node, reason))
         tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health, orch.unplanned.detector)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,
