@@ -28,10 +28,6 @@ class TransparentMigration(planned.PlannedMigration):
 
     mode = MODE
 
-    def __init__(self, deps: planned.Deps, plan: planned.Plan, migration: str, *, detected_at: float) -> None:
-        super().__init__(deps, plan, migration, detected_at=detected_at)
-        self.dumped = False  # the source's worker is stopped, dumped: "exit" there means "discard"
-
     async def run(self) -> str:
         p = self.plan
         ranks = self.view().ranks_on(p.source)
@@ -127,7 +123,6 @@ class TransparentMigration(planned.PlannedMigration):
         page_port = PAGE_PORT_BASE + p.new_gen
         await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "page_port": page_port,
                                                               "port": p.port, "token": token})
-        self.dumped = True  # from here on a failure may leave the source's worker stopped
         dump = await self.send(p.source, "checkpoint", p.gen, {
             "rank": p.rank, "page_host": p.target_addr, "page_port": page_port, "host": p.target_addr,
             "port": p.port, "token": token})
@@ -138,9 +133,10 @@ class TransparentMigration(planned.PlannedMigration):
 
     async def send(self, node: str, cmd: str, gen: int, args: dict[str, Any] | None = None,
                    timeout: float | None = None) -> dict[str, Any]:
-        """planned's commands, except that the dumped worker on the source leaves by being
-        discarded (it is stopped and off its channel; "exit" cannot reach it)."""
-        if cmd == "exit" and node == self.plan.source and self.dumped:
+        """planned's commands, except that the source's worker leaves by being discarded: planned's
+        finish sends "exit" there once the new generation stands, but the original is stopped and
+        off its channel by then (its copy runs on the spare)."""
+        if cmd == "exit" and node == self.plan.source:
             cmd, args = "discard", {"rank": self.plan.rank}
         return await super().send(node, cmd, gen, args, timeout)
 
@@ -152,5 +148,13 @@ class TransparentMigration(planned.PlannedMigration):
                             timeout=self.t.reform)
         except TorchPassError as exc:
             self.log.error("migration.resume_original_failed", error=str(exc))
-        self.dumped = False
         return await super()._reform_back(reason)
+
+    async def roll_back(self, reason: str) -> None:
+        """Before the hand-over. Once paused (a restarted torchpassd cannot tell whether the dump
+        began), the source's worker may have released its communicator: re-form back instead of
+        resuming the current generation."""
+        if self.plan.paused_step >= 0:
+            await self._reform_back(reason)
+            return
+        await super().roll_back(reason)
