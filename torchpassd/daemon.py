@@ -56,7 +56,7 @@ class Orchestrator:
 
     # ---- inputs ------------------------------------------------------------------------------
     async def on_slurm(self, e: ev.SlurmEvent) -> None:
-        self.unplanned.detector.on_slurm(e)
+        self.unplanned.on_slurm(e)
         if isinstance(e, ev.JobStarted | ev.JobResized):
             view = await self.d.registry.update_job(str(e.job), nodes=tuple(e.nodes),
                                                     **({"user": e.user, "mode": e.mode, "batch_host": e.batch_host}

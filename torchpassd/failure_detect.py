@@ -191,7 +191,6 @@ class FailureDetector:
         said_goodbye = n.offline_at is not None and not n.will  # on purpose: silence alone proves nothing
         dead = ((silent and not said_goodbye)
                 or (n.will and (quiet or bool(peer_interrupted)))
-                or (n.offline_at is not None and quiet and bool(peer_interrupted))
                 or (bool(n.slurm) and (n.offline_at is not None or quiet)))
         return signals if dead else []
 

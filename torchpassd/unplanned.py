@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from slurm_plugin import events as ev
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, TorchPassError
 from torchpassd import journal as jn
@@ -329,6 +330,7 @@ class Driver:
         self.policy = self.d.cfg.orchestrator.unplanned_no_spare
         self.dead: dict[str, dict[str, Death]] = {}
         self.running: dict[str, UnplannedRecovery] = {}
+        self.given_up: set[str] = set()  # jobs whose recovery failed: ending, nothing more to judge
         self._said: dict[str, str] = {}
         self.detector = FailureDetector(self.d.cfg.timeouts, on_death=self.on_death, busy=self.busy,
                                         nodes_of=self._nodes_of, control_up=control_up)
@@ -339,7 +341,10 @@ class Driver:
         return view.nodes if view else ()
 
     def busy(self, job: str, node: str) -> str:
-        """A planned migration off ``node`` runs: it owns the node until it ends."""
+        """A planned migration off ``node`` runs: it owns the node until it ends. A job whose
+        recovery failed is ending: its survivors leaving are no new failures."""
+        if job in self.given_up:
+            return "its recovery failed; the job ends"
         cur = self.o.current.get(job)
         if job in self.o.active and isinstance(cur, planned.PlannedMigration) and cur.plan.source == node:
             return f"a planned migration off {node} runs"
@@ -358,9 +363,12 @@ class Driver:
         return [{**d.describe(), "waiting": self.d.registry.jobs[job].blocked if job in self.d.registry.jobs else ""}
                 for job, deaths in self.dead.items() for d in deaths.values()]
 
-    def forget(self, job: str) -> None:
-        self.dead.pop(job, None)
-        self.detector.forget(job)
+    def on_slurm(self, e: ev.SlurmEvent) -> None:
+        """slurmctld's events: evidence for the detector; an ended job is forgotten."""
+        self.detector.on_slurm(e)
+        if isinstance(e, ev.JobEnded):
+            self.dead.pop(str(e.job), None)
+            self.given_up.discard(str(e.job))
 
     def waits(self, job: str) -> bool:
         """The job has dead nodes to recover (planned migrations of it wait)."""
@@ -427,6 +435,8 @@ class Driver:
         elif not p.recover_sent and "restarted" in (flow.failure or ""):
             for node in p.dead:
                 self.detector.undecide(job, node)  # judged again from the evidence
+        else:
+            self.given_up.add(job)
 
     async def resume(self, rec: jn.MigrationRecord) -> None:
         """A recovery a previous torchpassd left in flight."""

@@ -123,11 +123,15 @@ def test_clean_end_and_goodbyes_are_no_failure() -> None:
     assert h.deaths == []  # no peer interrupted: nothing failed (yet)
 
 
-def test_goodbye_with_interrupted_peers_is_a_lost_rank() -> None:
+def test_goodbyes_of_a_job_told_to_end_are_no_failure() -> None:
     h = Harness()
     h.run(6)
+    h.run(3, state="interrupted")  # survivors parked, told to exit (a recovery failed): they say goodbye
     h.state("n4", False, pid=124, host="n4")
-    h.run(3, alive=("n1", "n2", "n3"), state="interrupted")
+    h.run(10, alive=("n1", "n2", "n3"), state="interrupted")
+    assert h.deaths == []
+    h.det.on_slurm(ev.NodeNotResponding(0.0, "n4", (7,)))  # slurmctld lost it too: that is a failure
+    h.det.check()
     assert [d.node for d in h.deaths] == ["n4"]
 
 

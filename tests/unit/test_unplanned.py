@@ -304,3 +304,94 @@ def test_unregistered_survivor_fails_with_the_checkpoint_hint(tmp_path: Path) ->
     assert "never called torchpass.register" in err and "n2" in err
     assert w.slurm.free == ["n5"]  # the spare went back to the pool
     w.close()
+
+
+def test_restart_before_the_hand_over_fails_the_attempt_but_keeps_survivors_parked(tmp_path: Path) -> None:
+    from torchpassd.unplanned import resume_after_restart
+
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+        rec.plan.survivors = ["n1", "n2", "n4"]
+        return await resume_after_restart(rec, "joiner_ready")
+    assert asyncio.run(go()) == jn.FAILED
+    assert "restarted during phase joiner_ready" in (w.journal.history()[0].error or "")
+    assert not any(c == "abort" for _, c, _, _ in w.commander.sent)  # parked: the detector decides again
+    w.close()
+
+
+def test_restart_after_the_hand_over_drives_forward(tmp_path: Path) -> None:
+    from torchpassd.unplanned import resume_after_restart
+
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+        p = rec.plan
+        p.survivors, p.seats, p.resume_step, p.recover_sent = ["n1", "n2", "n4"], [
+            {"node": "n3", "rank": 2, "target": "n5", "target_addr": "127.0.0.1"}], 42, True
+        return await resume_after_restart(rec, "recovered")
+    assert asyncio.run(go()) == jn.SUCCEEDED
+    assert [c for _, c, _, _ in w.commander.sent].count("reform") == 4 and w.slurm.released == ["n3"]
+    w.close()
+
+
+class FakeOrch:
+    def __init__(self, deps: Deps) -> None:
+        self.d, self.active, self.current, self.pending = deps, {}, {}, {("7", "n3"): (0.0, "drain")}
+        self.watcher = type("W", (), {"last": object()})()
+        self.spawned: list[str] = []
+
+    def kick(self) -> None:
+        self.unplanned.kick()
+
+    def _spawn(self, job: str, coro: Any) -> None:
+        coro.close()
+        self.spawned.append(job)
+
+
+def test_driver_waits_for_a_spare_and_says_why(tmp_path: Path) -> None:
+    from torchpassd.unplanned import Driver
+
+    w = World(tmp_path, [])
+
+    async def go() -> None:
+        await w.setup()
+        orch = FakeOrch(w.deps)
+        orch.unplanned = Driver(orch, lambda: True)
+        orch.unplanned.on_death(_death("n3", 2))
+        assert orch.spawned == [] and ("7", "n3") not in orch.pending  # the drain is moot now
+        assert orch.unplanned.waits("7")
+        [dead] = orch.unplanned.describe()
+        assert dead["node"] == "n3" and "no spare free" in dead["waiting"] and "survivors stay parked" in dead["waiting"]
+        w.slurm.free.append("n5")  # a spare appears
+        orch.kick()
+        assert orch.spawned == ["7"] and orch.unplanned.describe() == []
+    asyncio.run(go())
+    w.close()
+
+
+def test_driver_gives_up_on_a_failed_job_and_forgets_an_ended_one(tmp_path: Path) -> None:
+    from slurm_plugin import events as ev
+    from torchpassd.unplanned import Driver
+
+    w = World(tmp_path, [])
+
+    async def go() -> None:
+        await w.setup()
+        orch = FakeOrch(w.deps)
+        driver = orch.unplanned = Driver(orch, lambda: True)
+        flow = w.recovery(no_spare="fail")
+
+        async def failed() -> str:
+            return await flow.run([_death("n3", 2)])
+        await driver._run(flow, failed())
+        assert "recovery failed" in driver.busy("7", "n4")  # survivors told to exit are no new deaths
+        driver.on_death(_death("n2", 1))
+        driver.on_slurm(ev.JobEnded(0.0, 7, ("n1",), "FAILED"))
+        assert driver.busy("7", "n4") == "" and not driver.waits("7")
+    asyncio.run(go())
+    w.close()

@@ -1,0 +1,124 @@
+"""Unplanned, model-aware migration end to end on the dev cluster: a node of the training job is
+killed (SIGKILL of its slurmd, launchpad and workers) or cut off the network; torchpassd detects
+it, rebuilds the lost rank on the spare from a surviving replica, and the job goes on from the
+step that failed, bit-identical to a run without the failure. Also: no spare free (the job waits
+with the survivors parked and says why, then recovers), and the `fail` policy (the job ends
+clearly at once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Daemon, Training, wait_until
+from tests.support.devcluster import DevCluster
+from torchpassd.drill import DrillReport
+from torchpassd.drill_unplanned import judge
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
+
+STEPS = 200
+STEP_SLEEP = 0.15
+VICTIM, VICTIM_RANK = "n3", 2  # never the batch host (n1); node n<k> runs rank k-1
+
+
+@pytest.fixture
+def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
+    d = e2e_dir / request.node.name
+    d.mkdir(mode=0o755, exist_ok=True)
+    (d / "train.log").unlink(missing_ok=True)
+    return d
+
+
+def _drill(tp_config: Path, mode: str) -> dict:
+    res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
+                          "--mode", mode, "--json", "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP),
+                          "--timeout", "180"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.stdout, res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    assert res.returncode == 0, report
+    return report
+
+
+def _assert_drill_ok(report: dict, fault: str) -> None:
+    assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["fault"] == fault and report["migrated_to"] == "n5", report
+    assert report["migrated_from"] not in ("n1", "n5")  # never the batch host
+    assert report["resumed_at_step"] == report["expected_step"] > 0, report
+    assert report["step_at_kill"] <= report["expected_step"] <= report["step_at_kill"] + 1, report
+    phases = [p["phase"] for p in report["timeline"]]
+    assert phases[-1] == "released" and "recovered" in phases, phases
+
+
+def test_drill_unplanned_kill(torchpassd: Daemon, tp_config: Path) -> None:
+    report = _drill(tp_config, "unplanned")
+    _assert_drill_ok(report, "kill")
+    assert 0 <= report["detect_s"] < 5 and 0 < report["pause_s"] < 90, report  # Last Will: within seconds
+
+
+def test_drill_unplanned_network_cut(torchpassd: Daemon, tp_config: Path) -> None:
+    report = _drill(tp_config, "unplanned-cut")
+    _assert_drill_ok(report, "cut")
+    # Heartbeat silence decides a cut (the broker's Last Will comes only after 1.5 x keepalive).
+    assert 0 <= report["detect_s"] < 15, report
+
+
+def _kill_while_training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon) -> tuple[Training, int]:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
+    job.wait_running(daemon, min_step=5)
+    devcluster.kill_node(VICTIM)
+    return job, job.log.stat().st_size
+
+
+def _parked(daemon: Daemon, job: str) -> list[dict]:
+    view = daemon.job(job) or {}
+    return [w for n, lp in view.get("launchpads", {}).items() if n != VICTIM for w in lp["workers"]]
+
+
+def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, devcluster: DevCluster,
+                                                            tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    devcluster.drain("n5", "spare under repair")
+    job, offset = _kill_while_training(devcluster, tp_config, workdir, torchpassd)
+    dead = wait_until("torchpassd to say why the job waits",
+                      lambda: next((d for d in torchpassd.call("status")["dead"] if d["job"] == job.job), None)
+                      if "no spare free" in ((torchpassd.job(job.job) or {}).get("blocked") or "") else None, 60)
+    assert dead["node"] == VICTIM and dead["ranks"] == [VICTIM_RANK] and dead["evidence"], dead
+    assert "n5: drained: spare under repair" in dead["waiting"]
+    workers = wait_until("the survivors to park", lambda: (ws := _parked(torchpassd, job.job)) and all(
+        w["state"] == "interrupted" for w in ws) and ws, 60)
+    assert not torchpassd.migrations(job.job)
+    steps = sorted(w["step"] for w in workers)
+    devcluster.resume("n5")
+    mig = torchpassd.wait_migration(job.job, VICTIM, timeout=180)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5" and mig["mode"] == "unplanned-aware", mig
+    resumed = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]
+    assert resumed["resumed_at_step"] == max(steps)  # parked, the survivors did not move on
+    job.wait_done(timeout=180)
+    want_steps, want_finals = reference(STEPS)
+    ref = workdir / "reference.log"
+    ref.write_text("".join(json.dumps({"rank": r, "step": st, "loss": x}) + "\n" for r, st, x in want_steps)
+                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in want_finals.items()))
+    rep = DrillReport()
+    judge(job.log, ref, VICTIM_RANK, resumed["resumed_at_step"], offset, rep)
+    assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
+    assert rep.resumed_at_step == resumed["resumed_at_step"], rep
+
+
+def test_no_spare_with_fail_policy_ends_the_job_clearly(torchpassd: Daemon, devcluster: DevCluster,
+                                                        tp_config: Path, workdir: Path) -> None:
+    fail_cfg = tp_config.with_name("torchpass-fail.toml")
+    fail_cfg.write_text(tp_config.read_text().replace("metrics_port = 0\n",
+                                                      'metrics_port = 0\nunplanned_no_spare = "fail"\n'))
+    torchpassd.stop()
+    torchpassd.config = fail_cfg
+    torchpassd.start()
+    devcluster.drain("n5", "spare under repair")
+    job, _ = _kill_while_training(devcluster, tp_config, workdir, torchpassd)
+    mig = torchpassd.wait_migration(job.job, VICTIM, timeout=120)
+    assert mig["status"] == "failed" and "no usable spare" in mig["error"], mig
+    devcluster.wait_job_state(job.job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=120)
