@@ -53,6 +53,7 @@ class _Node:
     slurm_at: float | None = None
     decided: bool = False
     deferred: str = ""  # why the last decision was left to someone else (logged once)
+    alive_proven: bool = False  # its ranks trained on after a decision: silence alone no longer counts
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -99,7 +100,7 @@ class FailureDetector:
         now = self.clock()
         if msg.kind == protocol.HEARTBEAT:
             n.workers, n.last_heartbeat = list(msg.body["workers"]), now
-            n.offline_at, n.will = None, False
+            n.offline_at, n.will, n.alive_proven = None, False, False
             if n.interrupted or any(self._node(msg.job, o).offline_at for o in self.jobs[msg.job]):
                 self.check()  # an interruption corroborates a peer's Last Will at once
         elif msg.kind == protocol.STATE:
@@ -192,9 +193,14 @@ class FailureDetector:
         dead = ((silent and not said_goodbye)
                 or (n.will and (quiet or bool(peer_interrupted)))
                 or (bool(n.slurm) and (n.offline_at is not None or quiet)))
+        if n.alive_proven and not peer_interrupted and not n.slurm:
+            return []
         return signals if dead else []
 
-    def undecide(self, job: str, node: str) -> None:
-        """Judge ``node`` again (its recovery attempt failed and will be retried from evidence)."""
+    def undecide(self, job: str, node: str, *, proven_alive: bool = False) -> None:
+        """Judge ``node`` again (its recovery attempt failed and will be retried from evidence);
+        ``proven_alive``: its ranks trained on, so only interrupted peers or slurmctld (or its
+        launchpad heartbeating and failing again) make it dead."""
         if node in self.jobs.get(job, {}):
             self.jobs[job][node].decided = False
+            self.jobs[job][node].alive_proven = proven_alive

@@ -74,6 +74,11 @@ def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dic
     return donor, laggards, c_max
 
 
+class RanksAlive(MigrationError):
+    """The survivors completed steps after the decision: every rank, the "dead" node's too, took
+    part in their all-reduce, so only its control plane (launchpad, network to the broker) was lost."""
+
+
 class UnplannedRecovery(Flow):
     """Recovery of ``plan.job`` from the death of ``plan.source`` (and of any node that dies
     while the survivors' state is not yet handed over); ``run()`` drives it to an end."""
@@ -107,9 +112,21 @@ class UnplannedRecovery(Flow):
                 await self._seat(d)
             await self._wait_interrupted()
             await self._recover()
+        except RanksAlive as exc:
+            return await self.stand_down(str(exc))
         except TorchPassError as exc:
             return await self.fail(str(exc))
         return await self.finish()
+
+    async def stand_down(self, reason: str) -> str:
+        """Nothing was lost after all: let the spares go, leave the job alone."""
+        problems: list[str] = []
+        for t in self.plan.targets:
+            problems += await self._drop_target(t)
+        self.log.warning("unplanned.standing_down", reason=reason)
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+        await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
+        return jn.ROLLED_BACK
 
     def _survivors(self) -> list[str]:
         view = self.view()
@@ -167,6 +184,19 @@ class UnplannedRecovery(Flow):
                                      **self.where)
             await self._seat(death)
 
+    def _check_still_training(self, baseline: dict[str, int]) -> None:
+        """A survivor that completes two more steps while we wait for the interruption has had
+        its all-reduces answered by every rank: nothing died (heartbeats lag a second at most,
+        so one step of slack)."""
+        view = self.view()
+        ahead = {n: (baseline[n], view.launchpads[n].max_step) for n in baseline if n in view.launchpads
+                 and view.launchpads[n].max_step >= baseline[n] + 2
+                 and not any(w.get("state") == INTERRUPTED for w in view.launchpads[n].workers)}
+        if ahead:
+            raise RanksAlive(f"survivors went on training (steps from, to: {ahead}): the ranks on "
+                             f"{', '.join(self.plan.dead)} are alive, only their launchpad or its broker link "
+                             "was lost; nothing to recover", hint="check that node's launchpad", **self.where)
+
     def _interrupted_steps(self) -> dict[str, int] | None:
         """{rank: completed steps} once every survivor's workers are interrupted, else None."""
         view = self.view()
@@ -187,12 +217,15 @@ class UnplannedRecovery(Flow):
         p = self.plan
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.t.step + self.t.collective
+        view = self.view()
+        baseline = {n: view.launchpads[n].max_step for n in p.survivors if n in view.launchpads}
         while True:
             await self._absorb()
             p.survivors = [n for n in p.survivors if n not in p.dead]
             steps = self._interrupted_steps()
             if steps is not None:
                 break
+            self._check_still_training(baseline)
             if loop.time() > deadline:
                 view = self.view()
                 late = sorted(n for n in p.survivors if n not in view.launchpads
@@ -427,7 +460,10 @@ class Driver:
         finally:
             self.running.pop(job, None)
         p = flow.plan
-        if status == jn.SUCCEEDED:
+        if status == jn.ROLLED_BACK:  # its ranks were alive: judge it again only on harder evidence
+            for node in p.dead:
+                self.detector.undecide(job, node, proven_alive=True)
+        elif status == jn.SUCCEEDED:
             view = self.d.registry.job(job)
             nodes = [n for n in (*view.nodes, *p.targets) if n not in p.dead]
             await asyncio.to_thread(self.d.journal.upsert_job, job, user=view.user, mode=view.mode, state="RUNNING",

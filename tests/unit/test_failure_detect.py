@@ -176,3 +176,16 @@ def test_last_will_is_told_from_a_goodbye() -> None:
     assert is_last_will({"node": "n1", "online": False, "will": True, "pid": 1})
     assert not is_last_will({"node": "n1", "online": False, "pid": 7, "host": "n1"})
     assert not is_last_will({"node": "n1", "online": True})
+
+
+def test_a_node_proven_alive_needs_harder_evidence() -> None:
+    h = Harness()
+    h.run(6)
+    h.state("n3", False)
+    h.run(3, alive=("n1", "n2", "n4"))
+    assert len(h.deaths) == 1
+    h.det.undecide("7", "n3", proven_alive=True)  # the survivors trained on: only its launchpad died
+    h.run(10, alive=("n1", "n2", "n4"))
+    assert len(h.deaths) == 1
+    h.run(1, alive=("n1", "n2", "n4"), state="interrupted")  # now its rank is really gone
+    assert len(h.deaths) == 2

@@ -395,3 +395,27 @@ def test_driver_gives_up_on_a_failed_job_and_forgets_an_ended_one(tmp_path: Path
         assert driver.busy("7", "n4") == "" and not driver.waits("7")
     asyncio.run(go())
     w.close()
+
+
+def test_ranks_that_train_on_were_not_lost_and_the_recovery_stands_down(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+
+        async def train_on() -> None:  # only n3's launchpad died: the all-reduces still complete
+            for step in range(41, 46):
+                await asyncio.sleep(0.05)
+                for i, n in ((0, "n1"), (1, "n2"), (3, "n4")):
+                    await w.registry.on_message(n, _hb(n, i, step, "running"))
+        task = asyncio.create_task(train_on())
+        status = await rec.run([_death("n3", 2)])
+        await task
+        return status
+    assert asyncio.run(go()) == jn.ROLLED_BACK
+    mig = w.journal.history()[0]
+    assert mig.status == jn.ROLLED_BACK and "are alive" in (mig.error or "")
+    assert not any(c in ("abort", "recover") for _, c, _, _ in w.commander.sent)  # the job is left alone
+    assert w.slurm.free == ["n5"]
+    w.close()
