@@ -61,8 +61,9 @@ class _Node:
 
     @property
     def ran_workers(self) -> bool:
-        """It ran ranks that had not ended (a node whose workers all exited just finished)."""
-        return bool(self.workers) and not all(w.get("state") in ENDED_STATES for w in self.workers)
+        """It ran member ranks that had not ended (a node whose workers all exited just finished;
+        a joiner not yet admitted is a migration's business, not the job's)."""
+        return any(w.get("state") not in ENDED_STATES and not w.get("joining") for w in self.workers)
 
     @property
     def interrupted(self) -> bool:

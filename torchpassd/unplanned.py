@@ -409,9 +409,13 @@ class Driver:
 
     def kick(self) -> None:
         for job, deaths in list(self.dead.items()):
-            if job in self.o.active or not deaths:
-                continue
             view = self.d.registry.job(job)
+            for node in [n for n in deaths if view.nodes and n not in view.nodes]:
+                deaths.pop(node)  # it left the job meanwhile (a migration's spare let go): nothing to recover
+            if job in self.o.active or not deaths:
+                if not deaths:
+                    self.dead.pop(job)
+                continue
             why = self._blocked(job, deaths)
             if why:
                 if self._said.get(job) != why:

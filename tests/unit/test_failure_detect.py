@@ -189,3 +189,12 @@ def test_a_node_proven_alive_needs_harder_evidence() -> None:
     assert len(h.deaths) == 1
     h.run(1, alive=("n1", "n2", "n4"), state="interrupted")  # now its rank is really gone
     assert len(h.deaths) == 2
+
+
+def test_a_joiner_not_yet_admitted_is_not_judged() -> None:
+    h = Harness()
+    h.members = (*NODES, "n5")
+    h.run(6)
+    h.hb("n5", 0, "joining", joining=True)  # a planned migration's joiner on the spare
+    h.run(10, alive=NODES)
+    assert h.deaths == []
