@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
+import os
 import shutil
 import signal
 import sys
@@ -19,6 +22,7 @@ from launchpad.channel import ChannelServer
 from launchpad.group import Outcome, WorkerGroup
 from launchpad.rendezvous import Rendezvous
 from launchpad.spec import LaunchSpec
+from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.config import Config
 from torchpass_common.errors import TorchPassError
@@ -37,6 +41,9 @@ class Agent:
         self.world_size = 0
         self.group: WorkerGroup | None = None
         self.rdzv: Rendezvous | None = None
+        self.lost_nodes = 0  # nodes of this rendezvous that died and were recovered from (unplanned)
+        # workers take the collective timeout (and how long to park) from launchpad's config
+        os.environ[ac.ENV_TIMEOUTS] = json.dumps(dataclasses.asdict(self.timeouts))
         self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
         self.channel = ChannelServer(str(self._tmp / "agent.sock"))
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")
@@ -91,7 +98,12 @@ class Agent:
             outcome = await self.group.supervise(self._stop, lambda: self._signal,
                                                  self._remote_failure(rnd, m.nnodes), spec.monitor_interval)
             if outcome.ok:
-                await self._store(self.rdzv.finish, rnd, m.nnodes, self.timeouts.reform)
+                try:  # nodes lost on the way never report done
+                    await self._store(self.rdzv.finish, rnd, m.nnodes - self.lost_nodes, self.timeouts.reform)
+                except Exception as exc:
+                    if not self.lost_nodes:
+                        raise
+                    self._log.warning("agent.finish_without_store", error=str(exc))  # its host was lost
                 self._log.info("agent.done", round=rnd)
                 return 0
             self._log.error("agent.round_failed", round=rnd, reason=outcome.describe())
@@ -108,6 +120,7 @@ class Agent:
         """A coroutine function the supervisor calls each tick: another node's failure report."""
         loop = asyncio.get_running_loop()
         last = [loop.time()]
+        warned: list[bool] = []
 
         async def check() -> str | None:
             if nnodes == 1 or loop.time() - last[0] < _FAILURE_POLL:
@@ -116,6 +129,11 @@ class Agent:
             try:
                 return await self._store(self.rdzv.failure, rnd)
             except Exception as exc:  # any store error means its host (node rank 0's agent) is gone
+                if self.spec.job:  # under an orchestrator a lost node is its to recover from (unplanned)
+                    if not warned:
+                        warned.append(True)
+                        self._log.warning("agent.store_unreachable", error=str(exc))
+                    return None
                 return f"rendezvous store unreachable ({exc})"
         return check
 

@@ -20,6 +20,7 @@ from torchpass_common.errors import ProtocolError, WorkerError
 _STATE_AFTER = {ac.HELLO: "running", ac.PAUSED: "paused", ac.PAUSE_MISSED: "running", ac.SAVED: "paused",
                 ac.JOINED: "joined", ac.REFORMED: "reformed", ac.RESUMED: "running", ac.ERROR: "error",
                 ac.DETACHED: "detached"}
+_STATE_AFTER[ac.INTERRUPTED] = "interrupted"  # a peer was lost; the worker waits for recover
 
 
 @dataclass
@@ -36,6 +37,7 @@ class WorkerLink:
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
+    interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
     registered: bool = False  # the script called torchpass.register(save, load)
 
 
@@ -49,6 +51,7 @@ class ChannelServer:
         self._server: asyncio.base_events.Server | None = None
         self._hello = asyncio.Condition()
         self._log = log.get(socket=path)
+        self.on_interrupted: Callable[[WorkerLink], None] | None = None  # e.g. an immediate heartbeat
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -90,6 +93,13 @@ class ChannelServer:
         if "step" in msg:
             link.step = msg["step"]
         link.state = _STATE_AFTER.get(kind, link.state)
+        if kind == ac.INTERRUPTED:
+            link.interruption = {k: msg[k] for k in ("gen", "registered", "error")}
+            self._log.warning("channel.worker_interrupted", rank=link.rank, pid=link.pid, **link.interruption)
+            if self.on_interrupted is not None:
+                self.on_interrupted(link)
+        elif kind == ac.JOINED:
+            link.interruption = None
         if kind == ac.RESUMED:  # a joiner that resumed with the group is a member like any other
             link.joining = False
         if kind == ac.ERROR:

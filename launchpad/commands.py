@@ -28,6 +28,41 @@ def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int
     return value
 
 
+_SOURCE_KEYS = ("path", "listen_host", "port", "token")
+
+
+def _donations(raw: Any) -> list[dict[str, Any]]:
+    """recover's ``donate``: one {to, dest[, from]} map or a list of them (``rank`` means ``to``)."""
+    items = [] if raw is None else [raw] if isinstance(raw, dict) else raw
+    if not isinstance(items, list):
+        raise ProtocolError(f"recover's 'donate' must be a map or a list of maps, got {raw!r}")
+    out = []
+    for d in items:
+        to = d.get("to", d.get("rank")) if isinstance(d, dict) else None
+        if not isinstance(to, int) or not isinstance(d.get("dest"), dict):
+            raise ProtocolError(f"a donation needs 'to' (the rank to rebuild) and a 'dest' map, got {d!r}")
+        out.append({"to": to, "dest": d["dest"], "from": d.get("from")})
+    return out
+
+
+def _loads(raw: Any, lagging: list[int]) -> dict[int, dict[str, Any]]:
+    """recover's ``load_from``: a hand-over source for this node's lagging worker, or a map from
+    rank to source when several lag; what each of them loads instead of its own state."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"recover's 'load_from' must be a map, got {raw!r}")
+    if any(k in raw for k in _SOURCE_KEYS):
+        if len(lagging) != 1:
+            raise ProtocolError(f"one load_from source for {len(lagging)} lagging workers {lagging}",
+                                hint="give load_from as a map from rank to source")
+        return {lagging[0]: raw}
+    try:
+        return {int(rank): source for rank, source in raw.items() if isinstance(source, dict)}
+    except ValueError as exc:
+        raise ProtocolError(f"recover's load_from keys must be ranks: {sorted(raw)}") from exc
+
+
 class Commands:
     """Handlers keyed by command name; ``gen`` is the command message's generation."""
 
@@ -37,6 +72,7 @@ class Commands:
         self.handlers: dict[str, Handler] = {
             "pause": self.pause, "save": self.save, "reform": self.reform, "resume": self.resume,
             "start_joiner": self.start_joiner, "abort": self.abort, "exit": self.exit,
+            "recover": self.recover,
         }
         self.handlers.update(Transparent(agent).handlers)  # criu moves (--torchpass=transparent)
 
@@ -131,6 +167,57 @@ class Commands:
                                   lambda r: r["t"] == ac.RESUMED and r["gen"] == rgen, self.agent.timeouts.reform)
         return {"ranks": sorted(replies)}
 
+    async def recover(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """After a lost peer (unplanned): every interrupted worker here donates its just-in-time
+        state as ``donate`` says (to the lost rank's joiner, to lagging survivors), re-enters its
+        script and loads its own state (a lagging one: the donor's, from ``load_from``), then parks
+        in register(). Acked once all have; ``step`` is the most advanced survivor's step."""
+        ngen, step = _int_arg(args, "gen", gen), _int_arg(args, "step")
+        world = _int_arg(args, "world_size", self.agent.world_size)
+        members = [lk for lk in self._links() if not lk.joining]
+        where = {"node": self.agent.node, "gen": ngen}
+        waiting = {lk.rank: lk.state for lk in members if lk.interruption is None}
+        if waiting:
+            raise MigrationError(f"ranks {sorted(waiting)} are not interrupted (states {waiting})", **where,
+                                 hint="recover once every survivor reported interrupted; a frozen peer is "
+                                      "noticed at timeouts.collective")
+        unregistered = sorted(lk.rank for lk in members if not (lk.interruption or {}).get("registered"))
+        if unregistered:
+            raise MigrationError(f"ranks {unregistered} never called torchpass.register(): there is no state "
+                                 "to recover from", **where,
+                                 hint="restart the job from its last checkpoint; add torchpass.register(save=..., "
+                                      "load=...) to the script for unplanned recovery")
+        ahead = {lk.rank: lk.step for lk in members if lk.step > step}
+        if ahead:
+            raise MigrationError(f"ranks {ahead} completed more than step {step}", **where,
+                                 hint="step must be the most advanced survivor's completed step")
+        lagging = sorted(lk.rank for lk in members if lk.step < step)
+        loads = _loads(args.get("load_from"), lagging)
+        unfed = sorted(set(lagging) - set(loads))
+        if unfed:
+            raise MigrationError(f"ranks {unfed} lag behind step {step} and load_from names no source for them",
+                                 **where, hint="let a survivor at that step donate to them (load_from)")
+        leaders = [lk.rank for lk in members if lk.step == step]
+        gifts: dict[int, list[dict[str, Any]]] = {lk.rank: [] for lk in members}
+        for d in _donations(args.get("donate")):
+            donor = d["from"] if d["from"] is not None else (leaders[0] if leaders else None)
+            if donor not in leaders:
+                raise MigrationError(f"no worker here at step {step} can donate to rank {d['to']} "
+                                     f"(asked: {d['from']}, at that step: {leaders})", **where)
+            gifts[donor].append({"to": d["to"], "dest": d["dest"]})
+        replies = await self._all(
+            members, lambda lk: ac.message(ac.RECOVER, gen=ngen, world_size=world, step=step, donate=gifts[lk.rank],
+                                           load_from=loads.get(lk.rank)),
+            lambda r: r["t"] == ac.JOINED, self.agent.timeouts.decision)
+        wrong = {rank: r["step"] for rank, r in replies.items() if r["step"] != step}
+        if wrong:
+            raise MigrationError(f"ranks {wrong} loaded state of another step than {step}", **where)
+        self.agent.lost_nodes += _int_arg(args, "lost_nodes", 1)
+        ranks = {str(rank): {"step": r["step"], "bytes": r.get("bytes", 0), "seconds": r.get("seconds", 0.0)}
+                 for rank, r in replies.items()}
+        return {"step": step, "ranks": ranks, "bytes": sum(r["bytes"] for r in ranks.values()),
+                "seconds": max(r["seconds"] for r in ranks.values())}
+
     async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Start a worker that joins as ``rank``; acked once it has connected to the channel."""
         rank, world = _int_arg(args, "rank"), _int_arg(args, "world_size", self.agent.world_size)
@@ -159,7 +246,12 @@ class Commands:
             cur = self.agent.gen
             await self._all(paused, lambda _: ac.message(ac.RESUME, gen=cur),
                             lambda r: r["t"] == ac.RESUMED, self.agent.timeouts.reform)
-        return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused)}
+        # interrupted workers wait for a recover; with "exit" they end (non-zero: the job failed)
+        interrupted = [lk for lk in self.agent.channel.links.values() if lk.connected and lk.interruption is not None]
+        if args.get("exit") and interrupted:
+            await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in interrupted))
+        return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused),
+                "interrupted": sorted(lk.rank for lk in interrupted), "exited": bool(args.get("exit") and interrupted)}
 
     async def exit(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Ask workers to exit cleanly: every worker, or with ``rank`` only the (non-joining)

@@ -31,12 +31,15 @@ class ControlPlane:
         self._order = asyncio.Lock()
         self._seq = 0
         self._log = log.get(job=self.job, node=self.node)
+        self._beat_now = asyncio.Event()
+        agent.channel.on_interrupted = lambda _link: self._beat_now.set()
         self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
 
     def _client(self, credentials: tuple[str, str] | None) -> mqtt.ControlClient:
-        will = protocol.encode(protocol.STATE, job=self.job, gen=self.agent.gen, body={"node": self.node, "online": False})
+        will = protocol.encode(protocol.STATE, job=self.job, gen=self.agent.gen,
+                               body={"node": self.node, "online": False, "will": True})  # "will": not a goodbye
         return mqtt.ControlClient(self.agent.config.broker, f"launchpad-{self.job}-{self.node}-{os.getpid()}",
                                   will=(protocol.state_topic(self.job, self.node), will), on_connect=self._announce,
                                   credentials=credentials)
@@ -84,7 +87,9 @@ class ControlPlane:
             state = "exited" if w.returncode is not None else (lk.state if lk else "starting")
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
-                            **({"exit_code": w.returncode} if w.returncode is not None else {})})
+                            **({"exit_code": w.returncode} if w.returncode is not None else {}),
+                            **({"registered": lk.interruption["registered"], "error": lk.interruption["error"]}
+                               if lk and lk.interruption and state == "interrupted" else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part()}
 
     async def _heartbeats(self) -> None:
@@ -98,7 +103,9 @@ class ControlPlane:
                     await self.client.publish(topic, payload, qos=0, timeout=interval)
                 except mqtt.BrokerUnavailableError as exc:
                     self._log.debug("control.heartbeat_skipped", error=str(exc))
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):  # a worker interrupted: beat at once
+                await asyncio.wait_for(self._beat_now.wait(), interval)
+            self._beat_now.clear()
 
     async def _commands(self) -> None:
         async for _topic, msg in self.client.messages():

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchpass import criu_park, ddp_layout, default_group, handover, steps
+from torchpass import criu_park, ddp_layout, default_group, handover, recovery, steps
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
@@ -43,6 +43,7 @@ class Agent:
         self._pause: dict[str, Any] | None = None
         self._gone = False
         self._log = log.get(rank=rank)
+        self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,22 +224,47 @@ class Agent:
         if self.save_fn is None or self.load_fn is None:
             raise WorkerError("a joining rank needs both save and load in torchpass.register()",
                               rank=self.rank)
-        source = json.loads(os.environ.get(ac.ENV_JOIN_SOURCE, "null") or "null")
+        rejoin = self.rejoin
+        source = rejoin.source if rejoin else json.loads(os.environ.get(ac.ENV_JOIN_SOURCE, "null") or "null")
         if not isinstance(source, dict):
             raise WorkerError(f"a joining rank needs {ac.ENV_JOIN_SOURCE} (JSON object)", rank=self.rank,
                               hint="launchpad sets it when it starts a joiner")
         t0 = time.perf_counter()
-        template = handover.record(self.save_fn(), 0, []) if "token" in source else None
-        incoming = handover.Incoming(source, rank=self.rank, template=template)
-        self._send(ac.message(ac.READY))
-        rec = incoming.receive(self.timeouts.decision)
+        while True:
+            try:
+                rec = self._receive(source)
+                break
+            except Exception as exc:
+                if rejoin is None:
+                    raise
+                # a survivor whose donor's stream broke keeps its own state and waits for a new recover
+                self._error(f"loading the donor's state failed: {exc}; this rank keeps its own state "
+                            f"(step {rejoin.step}), send recover again")
+                rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, group.gen, str(exc))
+                source = rejoin.source
         meta = rec["torchpass"]
         ddp_layout.replay(group, meta["ddp"])
         self.load_fn(rec["user"])
         steps.restore(meta["step"])
-        self._send(ac.message(ac.JOINED, step=meta["step"]))
-        self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4))
+        extra = {"bytes": rejoin.donated_bytes, "seconds": rejoin.donated_seconds} if rejoin else {}
+        self.rejoin = None  # the own state of a survivor is loaded; drop it (it holds the old model)
+        self._send(ac.message(ac.JOINED, step=meta["step"], **extra))
+        self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4),
+                       recovered=rejoin is not None)
+        del rec, rejoin
         self.park()
+
+    def _receive(self, source: dict[str, Any]) -> dict[str, Any]:
+        """The hand-over record from ``source``: a joiner's donor, or a re-entered survivor's own
+        state ({"record": ...}) or its donor's (a survivor that lagged one step behind)."""
+        if "record" in source:
+            self._send(ac.message(ac.READY))
+            return source["record"]
+        assert self.save_fn is not None
+        template = handover.record(self.save_fn(), 0, []) if "token" in source else None
+        incoming = handover.Incoming(source, rank=self.rank, template=template)
+        self._send(ac.message(ac.READY))
+        return incoming.receive(self.timeouts.decision)
 
 
 def _require_group(rank: int) -> Any:

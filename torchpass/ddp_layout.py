@@ -33,6 +33,12 @@ def track() -> None:
     DDP.__init__ = init  # type: ignore[method-assign]
 
 
+def forget() -> None:
+    """Stop counting the DDP instances built so far: those of a script run that a failed
+    collective ended (the re-entered script builds its own)."""
+    _instances.clear()
+
+
 def live() -> list[DDP]:
     """The DDP instances still alive, oldest first."""
     return [d for d in (ref() for ref in _instances) if d is not None]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,12 +21,17 @@ from torchpass_common.errors import WorkerError
 _joining = False
 _backend = "gloo"
 _group: TorchPassGroup | None = None
+_collective: timedelta | None = None  # cap on the group's collective timeout (timeouts.collective)
 
 
-def install(*, joining: bool) -> None:
-    """Register the backend and wrap init_process_group (idempotent)."""
-    global _joining
+def install(*, joining: bool, collective: float | None = None) -> None:
+    """Register the backend and wrap init_process_group (idempotent). ``collective``: seconds a
+    collective may wait for a peer at most, whatever the script asked (a frozen or cut-off peer
+    must interrupt the rank, not hang it for init_process_group's default of 30 minutes)."""
+    global _joining, _collective
     _joining = joining
+    if collective is not None:
+        _collective = timedelta(seconds=collective)
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
     if not getattr(c10d.init_process_group, "_torchpass", False):
@@ -39,8 +45,17 @@ def group() -> TorchPassGroup | None:
     return _group
 
 
+def forget() -> None:
+    """Drop the default group of a failed generation (after destroy_process_group): the script,
+    re-entered, calls init_process_group again and gets a new, local one."""
+    global _group
+    _group = None
+
+
 def _create(store: dist.Store, rank: int, world_size: int, timeout: Any) -> dist.ProcessGroup:
     global _group
+    if _collective is not None and (timeout is None or timeout > _collective):
+        timeout = _collective
     if _group is None:
         _group = TorchPassGroup(_backend, store, rank, world_size, timeout, local=_joining)
         return _group

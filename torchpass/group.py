@@ -7,6 +7,8 @@ bucket rebuild issue without any peer. Installing it as the default group is boo
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -84,6 +86,7 @@ class TorchPassGroup(dist.ProcessGroup):
         self.backend = backend
         self.timeout = timeout
         self.gen = 0
+        self.failure: BaseException | None = None  # the first failed collective of this generation
         self._inner: dist.ProcessGroup | None = None
         self._replies: collections.deque[torch.Tensor] = collections.deque()
         if not local:
@@ -110,7 +113,7 @@ class TorchPassGroup(dist.ProcessGroup):
                 hint="give the replacement process the leaving rank's number", rank=self.rank(), gen=gen)
         new = build_inner(self.backend, dist.PrefixStore(prefix, store), rank, world_size, self.timeout,
                           f"torchpass_gen{gen}")
-        old, self._inner, self.gen = self._inner, new, gen
+        old, self._inner, self.gen, self.failure = self._inner, new, gen, None
         if old is not None:
             # Join the old backend's threads with the GIL released (shutdown() drops it) before the
             # last reference goes; a destructor that joins them under the GIL can deadlock.
@@ -133,6 +136,33 @@ class TorchPassGroup(dist.ProcessGroup):
     def abort(self) -> None:
         if self._inner is not None:
             self._inner.abort()
+
+    def abandon(self) -> None:
+        """After a failed collective: abort and shut the inner group down (closing its connections,
+        so peers still waiting on this rank fail at once instead of at their timeout) and drop it;
+        the group is local until the next reconfigure."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            with contextlib.suppress(RuntimeError):
+                inner.abort()
+            inner.shutdown()
+
+    def watch(self, work: Any) -> Any:
+        """Return ``work``, noting in ``failure`` if it completes with an error (a peer lost or
+        frozen past the timeout): how the bootstrap tells an interruption from a bug in the script."""
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # some works (send/recv) have no future
+            return work
+        fut.add_done_callback(functools.partial(self._on_done, self._inner))
+        return work
+
+    def _on_done(self, inner: Any, fut: Any) -> None:
+        try:
+            fut.value()
+        except Exception as exc:
+            if inner is self._inner and self.failure is None:
+                self.failure = exc
 
     @contextmanager
     def answering_broadcasts(self, replies: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -199,7 +229,7 @@ def _forwarder(name: str) -> Any:
         inner = self._inner
         if inner is None:
             return self._local(name, args)
-        return getattr(inner, name)(*args)
+        return self.watch(getattr(inner, name)(*args))
 
     forward.__name__ = name
     forward.__doc__ = f"Forward ``{name}`` to the current generation's inner group."

@@ -5,13 +5,15 @@ exactly as under plain torchrun."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
 
-from torchpass import ddp_layout, default_group, steps
+from torchpass import ddp_layout, default_group, recovery, steps
 from torchpass.agent import Agent
 from torchpass_common import agent_channel as ac
+from torchpass_common.timeouts import Timeouts
 
 _agent: Agent | None = None
 
@@ -24,11 +26,26 @@ def activate() -> None:
     if not path or _agent is not None:
         return
     joining = os.environ.get(ac.ENV_JOIN) == "1"
-    default_group.install(joining=joining)
+    timeouts = Timeouts(**json.loads(os.environ.get(ac.ENV_TIMEOUTS) or "{}"))
+    default_group.install(joining=joining, collective=timeouts.collective)
     ddp_layout.track()
     _agent = Agent(ac.SyncChannel.connect(path), rank=int(os.environ.get("RANK", "0")),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), joining=joining)
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), joining=joining, timeouts=timeouts)
     _agent.start()
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Did ``exc`` leave the script because a peer was lost (a collective failed) under launchpad?"""
+    return _agent is not None and recovery.is_interruption(exc)
+
+
+def recover(exc: BaseException) -> None:
+    """After an interruption: capture and report, wait for launchpad's recover, and return when
+    the bootstrap should run the script again; its register() then loads the state (joining mode)."""
+    assert _agent is not None
+    rejoin = recovery.interrupt(_agent, exc)
+    default_group.install(joining=True)
+    _agent.rejoin, _agent.joining = rejoin, True
 
 
 def register(save: Callable[[], Any], load: Callable[[Any], None]) -> None:

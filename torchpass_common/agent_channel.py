@@ -22,6 +22,7 @@ from torchpass_common.errors import ProtocolError
 ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
 ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_host", "port", "token"}
+ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 
 MAX_FRAME = 1 << 20  # control messages only; state travels by file or the wormhole
@@ -38,6 +39,7 @@ JOINED = "joined"
 REFORMED = "reformed"
 RESUMED = "resumed"
 ERROR = "error"
+INTERRUPTED = "interrupted"  # a collective failed (peer lost): state captured, waiting for recover
 DETACHED = "detached"  # transparent mode: sockets dropped, the channel closes next (criu may dump now)
 # agent -> worker
 PAUSE = "pause"
@@ -45,6 +47,7 @@ SAVE = "save"
 REFORM = "reform"
 RESUME = "resume"
 EXIT = "exit"
+RECOVER = "recover"  # to an interrupted worker: donate its state, re-enter the script, load, park
 DETACH = "detach"  # transparent mode, while parked: drop what criu cannot carry, wait on the control fd
 
 _NUMBER = (int, float)
@@ -61,6 +64,7 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     REFORMED: {"gen": int},
     RESUMED: {"gen": int},
     ERROR: {"msg": str},
+    INTERRUPTED: {"gen": int, "step": int, "registered": bool, "error": str},
     DETACHED: {"step": int},
     PAUSE: {"gen": int, "at_step": int},
     SAVE: {"dest": dict},
@@ -68,6 +72,7 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
              "prefix": str},
     RESUME: {"gen": int},
     EXIT: {},
+    RECOVER: {"gen": int, "world_size": int, "step": int, "donate": list},
     DETACH: {},
 }
 

@@ -23,7 +23,8 @@ TOPIC_ROOT = "torchpass/v1/jobs"
 
 HEARTBEAT, STATE, COMMAND, ACK, EVENT = "heartbeat", "state", "command", "ack", "event"
 KINDS = frozenset({HEARTBEAT, STATE, COMMAND, ACK, EVENT})
-COMMANDS = frozenset({"pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
+COMMANDS = frozenset({"recover",  # unplanned: an interrupted survivor donates its state, re-enters, loads
+                      "pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
                       # transparent (criu) moves: launchpad/transparent.py
                       "preflight", "prepare_restore", "checkpoint", "restore", "discard", "resume_original"})
 

@@ -78,12 +78,12 @@ class Orchestrator:
 
 
 @contextlib.asynccontextmanager
-async def orchestrator(broker: Mosquitto) -> AsyncIterator[Orchestrator]:
+async def orchestrator(broker: Mosquitto, cls: type[Orchestrator] = Orchestrator) -> AsyncIterator[Orchestrator]:
     async with mqtt.ControlClient(broker.config(keepalive=2), "test-orchestrator") as client:
         for kind in (protocol.HEARTBEAT, protocol.STATE, protocol.ACK):
             await client.subscribe(protocol.nodes_filter(kind, JOB))
         await client.wait_connected(10)
-        orch = Orchestrator(client)
+        orch = cls(client)
         task = asyncio.create_task(orch.pump())
         try:
             yield orch

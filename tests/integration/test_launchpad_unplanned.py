@@ -1,0 +1,186 @@
+"""Unplanned recovery on localhost, the test playing torchpassd over a real mosquitto: three
+launchpads ("nodes") x one worker train DDP (gloo); one node's launchpad and worker are SIGKILLed
+between steps, while its worker waits in the gradient all-reduce, or during its optimizer step (or
+frozen: SIGSTOP, noticed at the collective timeout). The survivors report interrupted, a joiner is
+started for the lost rank, the most advanced survivor donates its just-in-time state, everyone
+re-enters the script, re-forms generation 2 and resumes at the step in progress: parameters and
+per-step losses after the resume are bit-identical to an uninterrupted torchrun run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_launchpad_control as lc
+import test_launchpad_training as lt
+from test_launchpad_training import Procs, TorchrunReference, launchpad_argv, results, write_script
+
+from tests.support.broker import Mosquitto
+from torchpass_common import protocol
+
+procs = lt.procs
+torchrun_reference = lt.torchrun_reference
+pytestmark = [pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
+JOB, NODES, DEAD = lc.JOB, ("n0", "n1", "n2"), "n2"
+STEPS, AT, HOLD = 24, 6, 1.5
+COLLECTIVE = 5.0  # timeouts.collective: how long the survivors wait for a frozen peer
+
+# The shared DDP script with torchpass.register() and a fault knob (env TP_FAULT, JSON): at
+# completed step ``at`` the doomed rank marks the chosen phase in a file (the test kills it then) and
+# holds ``hold`` s there; in the "backward" phase the other ranks hold in their backward instead, so
+# the doomed one waits for them inside the all-reduce. Sleeping changes no number: the reference
+# is the plain script under torchrun. Each rank also records its completed steps.
+_KNOB = '''
+fault = json.loads(os.environ.get("TP_FAULT") or "{}")
+
+
+def _mark(what):
+    with open(os.path.join(fault["dir"], f"rank{rank}.{what}"), "w") as f:
+        f.write(str(progress["step"]))
+
+
+def _hold(phase):
+    if fault and fault["phase"] == phase and progress["step"] == fault["at"] and not os.path.exists(
+            os.path.join(fault["dir"], "killed")):
+        if rank == fault["rank"]:
+            _mark(phase)
+        if (rank == fault["rank"]) != (phase == "backward"):
+            time.sleep(fault["hold"])
+
+
+model.module[0].weight.register_hook(lambda grad: _hold("backward"))
+opt.register_step_pre_hook(lambda *_: _hold("optimizer"))
+'''
+SCRIPT = lt.HANDOVER_SCRIPT.replace("torchpass.register(save=save, load=load)",
+                                    "torchpass.register(save=save, load=load)" + _KNOB).replace(
+    '    progress["step"] += 1\n',
+    '    progress["step"] += 1\n    if fault:\n        _mark("step")\n        _hold("between")\n')
+assert SCRIPT.count("_hold(") == 4  # the knob is in place
+
+
+class Orchestrator(lc.Orchestrator):
+    """The control test's orchestrator, speaking to several nodes."""
+
+    def hb(self, node: str) -> dict[str, Any] | None:
+        """The last heartbeat body of ``node``."""
+        return next((m.body for m in reversed(self.heartbeats) if m.body["node"] == node), None)
+
+    def workers(self, node: str) -> list[dict[str, Any]]:
+        return (self.hb(node) or {}).get("workers", [])
+
+    async def to(self, node: str, cmd: str, args: dict[str, Any], *, gen: int, migration: str = "r1",
+                 timeout: float = 120.0) -> dict[str, Any]:
+        payload = protocol.encode(protocol.COMMAND, job=JOB, gen=gen, body={"cmd": cmd, "migration": migration,
+                                                                            "args": args})
+        await self.client.publish(protocol.cmd_topic(JOB, node), payload)
+        cid = protocol.decode(payload).id
+        await self.until(lambda: cid in self.acks, timeout)
+        body = self.acks[cid][0].body
+        assert body["ok"], f"{cmd} on {node}: {body['error']}"
+        return body["result"]
+
+
+def start_nodes(procs: Procs, tmp_path: Path, broker: Mosquitto, fault: dict[str, Any]) -> tuple[list, Path]:
+    config = tmp_path / "torchpass.toml"
+    config.write_text(f"[broker]\nhost = '{broker.host}'\nport = {broker.port}\nkeepalive = 2\n"
+                      f"[timeouts]\nheartbeat_interval = {lc.HB_INTERVAL}\ncollective = {COLLECTIVE}\n")
+    out, marks = tmp_path / "out", tmp_path / "marks"
+    out.mkdir()
+    marks.mkdir()
+    script = write_script(tmp_path, SCRIPT)
+    port = lt.free_port()
+    env = {"TORCHPASS_CONFIG": str(config), "TP_FAULT": json.dumps({**fault, "dir": str(marks)})}
+    nodes = [procs.start(launchpad_argv("--nnodes=3", f"--node-rank={i}", "--master-addr=127.0.0.1",
+                                        f"--master-port={port}", "--nproc-per-node=1", "--job", JOB, "--node", node,
+                                        str(script), str(out), str(STEPS)),
+                         env=env, log=tmp_path / f"launchpad-{node}.log")
+             for i, node in enumerate(NODES)]
+    return nodes, marks
+
+
+async def wait_file(path: Path, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        await asyncio.sleep(0.02)
+    return path.read_text()
+
+
+@pytest.fixture(autouse=True)
+def _show_logs_on_failure(tmp_path: Path) -> Iterator[None]:
+    yield
+    for log in sorted(tmp_path.glob("launchpad-*.log")):
+        print(f"---- {log.name} (tail) ----\n{log.read_text()[-4000:]}")
+
+
+# phase -> (how the doomed node goes, completed steps the survivors resume from)
+CASES = {"between_steps": ("between", signal.SIGKILL, AT), "in_allreduce": ("backward", signal.SIGKILL, AT),
+         "in_optimizer_step": ("optimizer", signal.SIGKILL, AT + 1), "frozen": ("between", signal.SIGSTOP, AT)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_killed_node_is_recovered_at_the_step_in_progress(procs: Procs, tmp_path: Path, mosquitto: Mosquitto,
+                                                           torchrun_reference: TorchrunReference, case: str) -> None:
+    phase, how, resume_step = CASES[case]
+    want = torchrun_reference(3, STEPS)
+
+    async def drive() -> None:
+        async with lc.orchestrator(mosquitto, Orchestrator) as orch:
+            assert isinstance(orch, Orchestrator)
+            nodes, marks = start_nodes(procs, tmp_path, mosquitto, {"rank": 2, "at": AT, "phase": phase, "hold": HOLD})
+            await wait_file(marks / f"rank2.{phase}")
+            await asyncio.sleep(0.3)  # well inside the hold: the doomed rank sits in that phase
+            await orch.until(lambda: orch.workers(DEAD))
+            worker = orch.workers(DEAD)[0]["pid"]
+            dead_step = int((marks / "rank2.step").read_text())
+            os.killpg(worker, how)
+            if how == signal.SIGKILL:
+                os.killpg(nodes[2].pid, signal.SIGKILL)
+            (marks / "killed").write_text("1")
+            t_kill = time.monotonic()
+            survivors = NODES[:2]
+
+            def interrupted() -> bool:
+                return all([w["state"] for w in orch.workers(n)] == ["interrupted"] for n in survivors)
+            await orch.until(interrupted, timeout=COLLECTIVE + 60)
+            detect = time.monotonic() - t_kill
+            if how == signal.SIGSTOP:
+                assert detect >= COLLECTIVE * 0.8, f"interrupted after {detect:.1f} s, before the collective timeout"
+                os.killpg(worker, signal.SIGKILL)
+                os.killpg(nodes[2].pid, signal.SIGKILL)
+            steps = {n: orch.workers(n)[0]["step"] for n in survivors}
+            assert set(steps.values()) == {resume_step}, steps
+            assert dead_step == AT  # the lost rank had completed AT steps; the survivors resume_step
+            assert all(orch.workers(n)[0]["registered"] and orch.workers(n)[0]["error"] for n in survivors)
+            # the spare: a joiner for rank 2, started next to rank 0, listening for the donor's state
+            token, port = secrets.token_bytes(32).hex(), lt.free_port()
+            source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+            await orch.to("n0", "start_joiner", {"rank": 2, "world_size": 3, "source": source}, gen=2)
+            donate = {"rank": 2, "dest": {"host": "127.0.0.1", "port": port, "token": token}}
+            base_args = {"gen": 2, "world_size": 3, "step": resume_step}
+            acks = await asyncio.gather(orch.to("n0", "recover", {**base_args, "donate": donate}, gen=2),
+                                        orch.to("n1", "recover", base_args, gen=2))
+            assert [a["step"] for a in acks] == [resume_step, resume_step]
+            assert acks[0]["bytes"] > 0 and acks[1]["bytes"] == 0
+            for cmd in ("reform", "resume"):
+                await asyncio.gather(*(orch.to(n, cmd, {}, gen=2) for n in survivors))
+            for node in nodes[:2]:
+                await lc.wait_exit(node)
+
+    asyncio.run(drive())
+    got = results(tmp_path / "out", 3)
+    assert got[2]["env"]["TORCHPASS_JOIN"] == "1"  # rank 2's results come from the joiner
+    for rank in range(3):
+        assert got[rank]["params"] == want[rank]["params"], f"rank {rank}: parameters differ"
+        assert len(got[rank]["losses"]) == STEPS
+        # the joiner inherits the donor's loss history; every loss from the resumed step on is its own
+        start = 0 if rank < 2 else resume_step
+        assert got[rank]["losses"][start:] == want[rank]["losses"][start:], f"rank {rank}: losses differ"

@@ -1,0 +1,154 @@
+"""A re-entered survivor's register() (Agent.join with a Rejoin), against a launchpad end over a
+real socket pair: one that lagged a step loads the donor's state, not its own; when the donor's
+stream is torn mid-transfer it says so, reports interrupted again with its own state kept, and
+takes a second recover. Plus the classification: only a failed collective interrupts a worker,
+and one without register() cannot be recovered (a clear error, it stays interrupted)."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launchpad.wormhole import send_state
+from launchpad.wormhole.transport import Stream, TcpTransport
+from torchpass import default_group, handover, recovery, steps
+from torchpass.agent import Agent
+from torchpass_common import agent_channel as ac
+from torchpass_common.errors import WorkerError, WormholeError
+from torchpass_common.timeouts import Timeouts
+
+SHORT = Timeouts(collective=1.0, step=2.0, reform=3.0, decision=10.0)
+
+
+def next_reply(chan: ac.SyncChannel) -> dict[str, Any]:
+    while True:
+        msg = chan.recv()
+        assert msg is not None
+        if msg["t"] != ac.STEP:
+            return msg
+
+
+@pytest.fixture
+def local_group() -> Iterator[None]:
+    """A joining rank's local default group (rank 1 of 3), as a re-entered script builds it."""
+    default_group.install(joining=True)
+    dist.init_process_group("gloo", rank=1, world_size=3)
+    count = steps.current()
+    yield
+    dist.destroy_process_group()
+    default_group.forget()
+    default_group.install(joining=False)
+    steps.on_boundary(None)
+    steps.restore(count)
+
+
+def agent_pair(**kw: Any) -> tuple[Agent, ac.SyncChannel]:
+    agent_end, worker_end = socket.socketpair()
+    agent_end.settimeout(30)
+    agent = Agent(ac.SyncChannel(worker_end), rank=1, local_rank=1, joining=True, timeouts=SHORT, **kw)
+    agent.start()
+    launchpad = ac.SyncChannel(agent_end)
+    assert launchpad.recv()["t"] == ac.HELLO
+    return agent, launchpad
+
+
+def state(who: str, value: float) -> dict[str, Any]:
+    return {"w": torch.full((256, 1024), value), "who": who}
+
+
+def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_group: None, tmp_path: Path) -> None:
+    agent, launchpad = agent_pair()
+    loaded: list[Any] = []
+    agent.save_fn, agent.load_fn = (lambda: state("template", 0.0)), loaded.append
+    own, donor = handover.record(state("own", 6.0), 6, []), handover.record(state("donor", 7.0), 7, [])
+    token, port = secrets.token_bytes(32), free_port()
+    agent.rejoin = recovery.Rejoin({"listen_host": "127.0.0.1", "port": port, "token": token.hex()}, own, 6)
+    joined = threading.Thread(target=agent.join, daemon=True)
+    joined.start()
+    assert next_reply(launchpad)["t"] == ac.READY
+
+    with pytest.raises(WormholeError):
+        send_state(donor, "127.0.0.1", port, token, chunk_bytes=64 << 10, transport=Tearing())
+    error = next_reply(launchpad)
+    assert error["t"] == ac.ERROR and "keeps its own state (step 6)" in error["msg"]
+    again = next_reply(launchpad)
+    assert (again["t"], again["step"], again["registered"]) == (ac.INTERRUPTED, 6, True)
+    assert not loaded  # nothing half-received was loaded
+    path = tmp_path / "donor.pt"
+    handover.send(donor, {"path": str(path)}, rank=0)
+    launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=7, donate=[], load_from={"path": str(path)}))
+    assert next_reply(launchpad)["t"] == ac.READY
+    joined_msg = next_reply(launchpad)
+    assert (joined_msg["t"], joined_msg["step"], joined_msg["bytes"]) == (ac.JOINED, 7, 0)
+    assert loaded[0]["who"] == "donor" and torch.equal(loaded[0]["w"], donor["user"]["w"])
+    assert steps.current() == 7 and agent.rejoin is None
+    launchpad.send(ac.message(ac.RESUME, gen=2))
+    assert next_reply(launchpad) == {"t": ac.RESUMED, "gen": 2}
+    joined.join(10)
+    assert not joined.is_alive()
+
+
+def test_without_register_a_recover_is_refused_and_the_rank_stays_interrupted(local_group: None) -> None:
+    agent, launchpad = agent_pair()
+    result: list[Any] = []
+
+    def wait() -> None:
+        try:
+            result.append(recovery.wait_for_recover(agent, None, 4, 1, "RuntimeError: peer lost"))
+        except WorkerError as exc:
+            result.append(exc)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    assert next_reply(launchpad) == {"t": ac.INTERRUPTED, "gen": 1, "step": 4, "registered": False,
+                                     "error": "RuntimeError: peer lost"}
+    launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=4, donate=[]))
+    error = next_reply(launchpad)
+    assert error["t"] == ac.ERROR and "never called torchpass.register(" in error["msg"]
+    assert next_reply(launchpad)["t"] == ac.INTERRUPTED
+    assert waiting.is_alive() and not result
+    launchpad.close()  # launchpad gone: the interrupted rank gives up with a clear error
+    waiting.join(10)
+    assert isinstance(result[0], WorkerError) and "went away" in str(result[0])
+
+
+def test_only_a_failed_collective_makes_an_interruption(local_group: None) -> None:
+    group = default_group.group()
+    assert group is not None and group.failure is None
+    assert not recovery.is_interruption(ValueError("a bug in the script"))
+    group.failure = RuntimeError("Connection closed by peer")
+    assert recovery.is_interruption(RuntimeError("anything the script raised then"))
+    assert not recovery.is_interruption(SystemExit(0)) and not recovery.is_interruption(KeyboardInterrupt())
+
+
+class Tearing(TcpTransport):
+    """Its streams die after 256 KiB: a donor lost in the middle of its transfer."""
+
+    def connect(self, host: str, port: int, timeout: float) -> Stream:
+        stream = super().connect(host, port, timeout)
+        sent = [0]
+        send = stream.send
+
+        def tearing_send(*parts: bytes | memoryview) -> None:
+            sent[0] += sum(memoryview(p).nbytes for p in parts)
+            if sent[0] > 256 << 10:
+                stream.close()
+                raise WormholeError("the donor died mid-transfer")
+            send(*parts)
+
+        stream.send = tearing_send  # type: ignore[method-assign]
+        return stream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
