@@ -67,6 +67,7 @@ class DrillSettings:
     warmup_steps: int = 5
     rdzv_port: int = 29500
     timeout: float = 600.0
+    state_mib: int = 0  # extra state per rank carried by save/load (bench recovery: pause vs state size)
 
 
 def read_log(path: Path) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
@@ -159,7 +160,8 @@ class Drill:
         script.write_text(_JOB_SCRIPT.format(
             config=self.cfg.source or "", prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
             nodes=s.nodes, port=s.rdzv_port, example=self.script,
-            args=f"--steps {s.steps} --step-sleep {s.step_sleep}", log=workdir / "train.log"))
+            args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
+            log=workdir / "train.log"))
         out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", f"-N{s.nodes}",
                                "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))
         self.report.job_id = out.strip().split(";")[0]

@@ -4,13 +4,16 @@ Seeds are set per step and the data position follows from the step, so any rank 
 from a saved state and a failed step replays exactly (unplanned recovery needs both; losses are
 logged after the forward pass, so a rank killed mid-step has logged every step it began).
 Run: ``torchrun --nproc-per-node 2 ddp_train.py --steps 100`` (or launchpad).
-``--log FILE`` writes one JSON line per step (rank, step, loss as float.hex) and a final hash."""
+``--log FILE`` writes one JSON line per step (rank, step, loss as float.hex, wall time) and a final
+hash. ``--checkpoint F --checkpoint-every N``: the checkpoint-restart way (rank 0 saves every N steps,
+a restart resumes from F); ``--state-mib N`` adds N MiB of state per rank (benchmarks)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -47,8 +50,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
-    ap.add_argument("--checkpoint", help="resume from this checkpoint file if given")
-    ap.add_argument("--log", help="append per-step JSON lines here")
+    ap.add_argument("--checkpoint", help="resume from this checkpoint file if it exists")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="rank 0 saves --checkpoint every N steps")
+    ap.add_argument("--state-mib", type=int, default=0, help="extra MiB of state per rank, carried by save/load")
+    # --log-file: under real torchrun, whose parser calls "--log" ambiguous (--log-dir, --logs-specs)
+    ap.add_argument("--log", "--log-file", dest="log", help="append per-step JSON lines here")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -63,18 +69,21 @@ def main() -> None:
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     batches_per_epoch = len(sampler) // args.batch_size
     progress = {"step": 0}
+    ballast = torch.full((args.state_mib << 18,), float(rank))  # float32: 2**18 per MiB
 
     def save() -> dict:
         return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "step": progress["step"]}
+                "step": progress["step"], **({"ballast": ballast} if args.state_mib else {})}
 
     def load(state: dict) -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         progress["step"] = state["step"]  # the data position follows from the step
+        if args.state_mib:
+            ballast.copy_(state["ballast"])
 
-    if args.checkpoint:
+    if args.checkpoint and os.path.exists(args.checkpoint):
         load(torch.load(args.checkpoint))
     torchpass.register(save=save, load=load)
 
@@ -93,13 +102,16 @@ def main() -> None:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         if log:  # before the gradient all-reduce: a rank killed mid-step has logged every step it began
-            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
+            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex(), "t": time.time()}) + "\n")
         loss.backward()
         opt.step()
         sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         progress["step"] = step + 1
+        if args.checkpoint_every and rank == 0 and progress["step"] % args.checkpoint_every == 0:
+            torch.save(save(), args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a crash mid-save keeps the last one
     if log:
         log.write(json.dumps({"rank": rank, "final": param_hash(model), "steps": progress["step"],
                               "seconds": time.perf_counter() - started}) + "\n")

@@ -1,0 +1,120 @@
+"""The checkpoint-restart baseline of bench/recovery.py, on the dev cluster: the example job under
+plain torchrun (no TorchPass), submitted with --requeue, rank 0 saving a torch.save checkpoint every
+N steps. A node is killed; Slurm notices (SlurmdTimeout), requeues the job, restarts it on other
+nodes, and it reloads the checkpoint and recomputes the lost steps. Time lost = kill -> the restarted
+job is back at the last step completed before the kill; split into restart overhead and recompute."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support.devcluster import FINAL_JOB_STATES, DevCluster
+from torchpass_common.errors import TorchPassError
+from torchpassd.drill import EXAMPLE
+
+RDZV_PORT = 29600
+_SCRIPT = """#!/bin/bash
+# checkpoint-restart baseline: plain torchrun, rendezvous on the batch host
+srun {torchrun} --nnodes {nodes} --nproc-per-node 1 --rdzv-backend c10d --rdzv-id $SLURM_JOB_ID \\
+    --rdzv-endpoint $SLURMD_NODENAME:{port} {example} --steps {steps} --step-sleep {sleep} \\
+    --checkpoint {ckpt} --checkpoint-every {every} --log-file {log}
+"""
+
+
+def steps_logged(log: Path, rank: int = 0) -> list[tuple[int, float]]:
+    """(step, wall time) of ``rank``'s step lines, in file order (a restart repeats steps)."""
+    out = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if rec.get("rank") == rank and "step" in rec and "t" in rec:
+            out.append((rec["step"], rec["t"]))
+    return out
+
+
+def analyse(lines: list[tuple[int, float]], killed_at: float) -> dict[str, float]:
+    """From rank 0's (step, time) lines and the kill time: the step it was at when the job failed,
+    the checkpoint step the restarted run began at (where the step count goes back), the time lost
+    and its split into restart overhead and recomputation (at the restarted run's own step time).
+    Raises TorchPassError while the restarted run has not got back to the failed step."""
+    restart = next((i for i in range(1, len(lines)) if lines[i][1] > killed_at and lines[i][0] <= lines[i - 1][0]),
+                   None)
+    if restart is None:
+        raise TorchPassError("the baseline log shows no restart after the failure yet")
+    before, after = lines[:restart], lines[restart:]
+    failed_step, resumed_step = max(s for s, _ in before), after[0][0]
+    back = next((t for s, t in after if s == failed_step), None)
+    if back is None:
+        raise TorchPassError(f"the restarted job has not got back to step {failed_step} yet")
+    times = [t for _, t in after]
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:], strict=False)) if len(times) > 1 else 0.0
+    first_step_start = after[0][1] - step_s
+    return {"failed_step": failed_step, "resumed_from_step": resumed_step, "lost_steps": failed_step - resumed_step,
+            "step_s": round(step_s, 4), "time_lost_s": round(back - killed_at, 3),
+            "restart_overhead_s": round(first_step_start - killed_at, 3),
+            "recompute_s": round(back - first_step_start, 3)}
+
+
+def _analysed(log: Path, killed_at: float) -> dict[str, float] | None:
+    try:
+        return analyse(steps_logged(log), killed_at)
+    except TorchPassError:
+        return None
+
+
+def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000, step_sleep: float = 0.2,
+        every: int = 25, timeout: float = 480.0, say: Any = print) -> dict[str, Any]:
+    """One failure of the baseline job; the measured figures (see ``analyse``), the job's state
+    changes after the kill (Slurm's own detection and requeue), and the setting."""
+    workdir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    log, ckpt = workdir / "train.log", workdir / "checkpoint.pt"
+    for f in (log, ckpt):
+        f.unlink(missing_ok=True)
+    script = _SCRIPT.format(torchrun=Path(sys.executable).parent / "torchrun", nodes=nodes, port=RDZV_PORT,
+                            example=EXAMPLE, steps=steps, sleep=step_sleep, ckpt=ckpt, every=every, log=log)
+    fail_at = every + every // 2  # mid-interval
+    job = cluster.sbatch(script, f"-N{nodes}", "--requeue", "--job-name=bench-ckpt-restart")
+    say(f"[baseline] job {job}: plain torchrun on {nodes} nodes, checkpoint every {every} steps, --requeue")
+    deadline = time.monotonic() + timeout
+    transitions: list[dict[str, Any]] = []
+
+    def wait(what: str, check: Any) -> None:
+        while not check():
+            state = cluster.job_record(job).get("JobState", "?")
+            if not transitions or transitions[-1]["state"] != state:
+                transitions.append({"state": state, "at": time.time()})
+            if state in FINAL_JOB_STATES:
+                raise TorchPassError(f"baseline: job {job} ended {state} while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TorchPassError(f"baseline: timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(0.25)
+
+    try:
+        wait(f"step {fail_at}", lambda: any(s >= fail_at for s, _ in steps_logged(log)))
+        hosts = cluster.run("scontrol", "show", "hostnames", cluster.job_record(job)["NodeList"]).stdout.split()
+        victim = hosts[-1]  # not the batch host
+        killed_at = time.time()
+        cluster.kill_node(victim)
+        say(f"[baseline] killed {victim} at step {max(s for s, _ in steps_logged(log))}; Slurm detects it "
+            "and requeues the job")
+        result: dict[str, Any] = {}
+        wait(f"job {job} to be back at the step it failed at",
+             lambda: result.update(_analysed(log, killed_at) or {}) or result)
+    finally:
+        cluster.run("scancel", job, check=False)
+    say(f"[baseline] lost {result['time_lost_s']} s: restart {result['restart_overhead_s']} s + "
+        f"recompute {result['recompute_s']} s ({result['lost_steps']} steps)")
+    return {**result, "nodes": nodes, "checkpoint_every_steps": every,
+            "checkpoint_interval_s": round(every * result["step_s"], 2),
+            "job_states_after_kill": [{"state": t["state"], "after_s": round(t["at"] - killed_at, 1)}
+                                      for t in transitions if t["at"] >= killed_at],
+            "failure": f"devcluster kill-node {victim} (SIGKILL of every process on it)",
+            "restart": "Slurm's own: node DOWN after SlurmdTimeout, job requeued (--requeue), restarted on "
+                       "other nodes, reloads the checkpoint"}

@@ -1,0 +1,292 @@
+"""TorchPass against checkpoint-restart, measured in one run on the dev cluster
+($TORCHPASS_DEVCLUSTER_ID): the raw link throughput between two nodes (bench/wormhole.py's raw
+baseline), the checkpoint-restart baseline (bench/_restart.py), the time TorchPass loses per failure
+in each drill mode (torchpassctl drill's code, against a torchpassd started here), the pause against
+state size (the example's --state-mib) versus the transfer floor, the steady-state overhead
+(bench/overhead.py) and the orchestrator at 1,152 simulated nodes (bench/scale.py). Prints JSON
+(--json), writes recovery.json, recovery.md and recovery.png (pause vs state size) to --outdir."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torchpassd.goodput import checkpoint_restart_loss_s, ratio
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("planned-aware", "planned-transparent", "unplanned")
+GOAL_RATIO, GOAL_FLOOR_FACTOR, GOAL_FLOOR_PLUS_S, GOAL_OVERHEAD, GOAL_DECISION_MS = 20.0, 1.5, 2.0, 1.01, 100.0
+MEMORY_MARGIN = 0.7  # use at most this share of MemAvailable for one state-size run
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated without swapping."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def size_fits(mib: int, ranks: int, available: int) -> str:
+    """"" when a state of ``mib`` per rank fits in memory for a drill of ``ranks`` ranks (each rank,
+    the joiner and the wormhole's receive buffer hold it), else why not."""
+    need = mib * 2**20 * (ranks + 2)
+    if need > MEMORY_MARGIN * available:
+        return (f"skipped: {ranks} ranks + joiner + receive buffer need {need / 2**30:.1f} GiB, this machine has "
+                f"{available / 2**30:.1f} GiB available (shared with other work)")
+    return ""
+
+
+def time_lost(report: dict[str, Any], step_s: float) -> float | None:
+    """Wall time a drill's job lost to the failure: the pause, plus any step that had to be redone."""
+    if report.get("pause_s") is None:
+        return None
+    return report["pause_s"] + max(0, report.get("lost_steps") or 0) * step_s
+
+
+def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
+    """The headline figures from the measured parts in ``raw`` (keys baseline, modes, sizes,
+    link_gbps, overhead, scale); anything not measured stays None with the reason alongside."""
+    base = raw.get("baseline") or {}
+    restart = (checkpoint_restart_loss_s(base["restart_overhead_s"], interval_s)
+               if "restart_overhead_s" in base else None)
+    out: dict[str, Any] = {
+        "checkpoint_restart_model": {
+            "expected_loss_s": restart, "checkpoint_interval_s": interval_s,
+            "restart_overhead_s": base.get("restart_overhead_s"),
+            "formula": "restart_overhead_s + checkpoint_interval_s / 2 (failure uniform in the interval; "
+                       "checkpoint save cost not counted)"},
+        "restart_over_pause": {}, "restart_over_pause_measured": {}, "pause_over_floor": {},
+    }
+    for mode, rep in raw.get("modes", {}).items():
+        lost = rep.get("time_lost_s")
+        out["restart_over_pause"][mode] = _round(ratio(restart, lost)) if lost else rep.get("not_available")
+        out["restart_over_pause_measured"][mode] = _round(ratio(base.get("time_lost_s"), lost)) if lost else None
+    gbps = raw.get("link_gbps")
+    for label, rep in raw.get("sizes", {}).items():
+        if rep.get("pause_s") is None or not gbps:
+            out["pause_over_floor"][label] = rep.get("not_available") or rep.get("error")
+            continue
+        floor = rep["bytes"] / (gbps * 1e9)
+        rep["floor_s"] = round(floor, 3)
+        rep["within_goal"] = rep["pause_s"] <= GOAL_FLOOR_FACTOR * floor + GOAL_FLOOR_PLUS_S
+        out["pause_over_floor"][label] = _round(rep["pause_s"] / floor)
+    out["overhead_ratio"] = (raw.get("overhead") or {}).get("ratio")
+    out["decision_latency_ms"] = (raw.get("scale") or {}).get("decision_latency_ms")
+    return out
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The short table of the results."""
+    m = res["checkpoint_restart_model"]
+    rows = ["| measure | value | goal |", "|---|---|---|",
+            f"| checkpoint-restart loss per failure, {m['checkpoint_interval_s']:.0f} s interval | "
+            f"{_fmt(m['expected_loss_s'])} s (restart {_fmt(m['restart_overhead_s'])} s + interval/2) | |"]
+    for mode, value in res["restart_over_pause"].items():
+        lost = res["raw"]["modes"][mode].get("time_lost_s")
+        rows.append(f"| restart_over_pause {mode} | {_fmt(value)}" + (f" (TorchPass loses {lost:.2f} s)" if lost else "")
+                    + f" | >= {GOAL_RATIO:.0f} |")
+    for label, value in res["pause_over_floor"].items():
+        rep = res["raw"]["sizes"][label]
+        detail = (f" (pause {rep['pause_s']:.2f} s, floor {rep['floor_s']:.2f} s)" if "floor_s" in rep else "")
+        rows.append(f"| pause_over_floor {label} | {_fmt(value)}{detail} | pause <= 1.5 x floor + 2 s |")
+    rows.append(f"| overhead_ratio | {_fmt(res['overhead_ratio'])} | < 1.01 |")
+    rows.append(f"| decision_latency_ms at {res['raw'].get('scale', {}).get('nodes', '?')} nodes | "
+                f"{_fmt(res['decision_latency_ms'])} | < 100 |")
+    return "\n".join(rows) + "\n"
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def plot(res: dict[str, Any], path: Path) -> Path:
+    """PNG: measured pause against state size per rank, with the transfer floor and the goal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted((r["bytes"] / 2**30, r["pause_s"]) for r in res["raw"]["sizes"].values() if r.get("pause_s") is not None)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    gbps = res["raw"].get("link_gbps")
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="TorchPass pause (planned-aware)")
+    if gbps and pts:
+        xs = [0.0, max(p[0] for p in pts) * 1.05]
+        floor = [x * 2**30 / (gbps * 1e9) for x in xs]
+        ax.plot(xs, floor, "--", label=f"transfer floor ({gbps:.2f} GB/s raw TCP)")
+        ax.plot(xs, [GOAL_FLOOR_FACTOR * f + GOAL_FLOOR_PLUS_S for f in floor], ":", label="goal: 1.5 x floor + 2 s")
+    ax.set_xlabel("state per rank (GiB)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Pause vs state size (dev cluster)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class _Daemon:
+    """torchpassd for the dev cluster, started and stopped by PID, its files in ``workdir``."""
+
+    def __init__(self, cluster: Any, workdir: Path) -> None:
+        from torchpass_common import config
+        from torchpassd.ctl_client import DaemonClient
+
+        b = cluster.info["broker"]
+        path = workdir / "torchpass.toml"
+        path.write_text(f'[broker]\nhost = "{b["host"]}"\nport = {b["port"]}\n[slurm]\nslurm_conf = '
+                        f'"{cluster.slurm_conf}"\nbackend = "commands"\npoll_interval = 0.5\n[orchestrator]\n'
+                        f'state_dir = "{workdir / "state"}"\ncontrol_socket = "{workdir / "tpd.sock"}"\nmetrics_port = 0\n')
+        self.cfg = config.load(str(path))
+        self.client = DaemonClient(workdir / "tpd.sock", timeout=30)
+        with open(workdir / "torchpassd.log", "ab") as out:
+            self.proc = subprocess.Popen([str(Path(sys.executable).parent / "torchpassd"), "--config", str(path)],
+                                         stdout=out, stderr=subprocess.STDOUT, env=cluster.slurm_env)
+        deadline = time.monotonic() + 60
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"torchpassd did not start; see {workdir / 'torchpassd.log'}")
+            time.sleep(0.2)
+
+    def _answers(self) -> bool:
+        from torchpass_common.errors import TorchPassError
+        try:
+            self.client.call("status")
+        except TorchPassError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _drill(daemon: _Daemon, cluster: Any, mode: str, nodes: int, state_mib: int = 0) -> dict[str, Any]:
+    """One drill through torchpassctl drill's code; its report plus the hand-over's bytes."""
+    from torchpass_common.errors import TorchPassError
+    from torchpassd import drill as drillmod
+
+    if mode not in drillmod.MODES:
+        return {"not_available": f"not available: this build's torchpassctl drill has no mode {mode!r} "
+                                 f"(it has {', '.join(drillmod.MODES)})"}
+    settings = drillmod.DrillSettings(nodes=nodes, state_mib=state_mib)
+    _say(f"[recovery] drill {mode}" + (f" with {state_mib} MiB extra state per rank" if state_mib else ""))
+    try:
+        rep = drillmod.run(daemon.cfg, mode, settings, say=_say)
+    except TorchPassError as exc:
+        rep = {"ok": False, "error": str(exc)}
+    finally:
+        cluster.reset()
+    if rep.get("pause_s") is None:
+        rep["not_available"] = f"not available: the {mode} drill measured no pause ({rep.get('error')})"
+        return rep
+    try:
+        for m in daemon.client.call("history", job=rep["job_id"]):
+            for p in m["phases"]:
+                if p["phase"] == "handed_over" and p["detail"].get("bytes"):
+                    rep["bytes"], rep["transfer_s"] = p["detail"]["bytes"], p["detail"].get("transfer_s")
+    except TorchPassError as exc:
+        rep["history_error"] = str(exc)
+    return rep
+
+
+def _part(raw: dict[str, Any], key: str, what: str, fn: Any) -> None:
+    """Measure one part into ``raw[key]``; a failure is recorded (with why), never replaced by a number."""
+    _say(f"[recovery] {what}")
+    try:
+        raw[key] = fn()
+    except Exception as exc:  # a failed part must not cost the others
+        raw[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        _say(f"[recovery] {what} FAILED: {exc}")
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from bench import _restart, overhead, scale, wormhole
+    from tests.support.devcluster import DevCluster, instance_id_from_env
+    from torchpass_common.config import WormholeConfig
+
+    cluster = DevCluster(instance_id_from_env())
+    if not cluster.info.get("up"):
+        _say(f"[recovery] bringing dev cluster {cluster.id} up")
+        cluster.up()
+    cluster.reset()
+    subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)  # sbatch --torchpass
+    work = cluster.jobs_dir / f"bench-recovery-{time.strftime('%Y%m%d-%H%M%S')}"
+    work.mkdir(mode=0o755)
+    raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "modes": {}, "sizes": {}}
+    streams = WormholeConfig().streams
+    _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", lambda: wormhole.main(
+        ["--devcluster", "--gib", str(a.link_gib), "--reps", "1", "--streams", str(streams)]))
+    raw["link_gbps"] = raw["wormhole"].get(f"raw_s{streams}_gbps")
+    _part(raw, "baseline", f"checkpoint-restart baseline ({a.nodes} nodes)", lambda: _restart.run(
+        cluster, work / "baseline", nodes=a.nodes, every=a.checkpoint_every, say=_say))
+    cluster.reset()
+    daemon = _Daemon(cluster, work)
+    try:
+        step_s = raw["baseline"].get("step_s", 0.0)
+        for mode in a.modes.split(","):
+            rep = _drill(daemon, cluster, mode, a.nodes)
+            rep["time_lost_s"] = time_lost(rep, step_s)
+            raw["modes"][mode] = rep
+        aware = raw["modes"].get("planned-aware", {})
+        if aware.get("pause_s") is not None:
+            raw["sizes"]["model only"] = aware
+        for mib in [int(x) for x in a.sizes_mib.split(",") if x]:
+            label = f"{mib / 1024:g} GiB"
+            why = size_fits(mib, a.nodes, mem_available())
+            raw["sizes"][label] = {"not_available": why} if why else _drill(daemon, cluster, "planned-aware", a.nodes, mib)
+    finally:
+        daemon.stop()
+    _part(raw, "overhead", "steady-state overhead (bench/overhead.py)",
+          lambda: overhead.main(["--rounds", str(a.overhead_rounds), "--steps", "150"]))
+    _part(raw, "scale", "orchestrator at scale (bench/scale.py)", lambda: scale.main(["--racks", str(a.racks)]))
+    return raw
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench recovery")
+    p.add_argument("--nodes", type=int, default=3, help="nodes of the example job (default 3)")
+    p.add_argument("--modes", default=",".join(MODES), help="drill modes to measure")
+    p.add_argument("--sizes-mib", default="256,1024,4096", help="extra state per rank for pause vs size (MiB)")
+    p.add_argument("--checkpoint-every", type=int, default=25, help="baseline checkpoint interval in steps")
+    p.add_argument("--interval-s", type=float, default=600.0, help="checkpoint interval to extrapolate to (s)")
+    p.add_argument("--link-gib", type=float, default=0.5, help="bytes for the raw link measurement (GiB)")
+    p.add_argument("--overhead-rounds", type=int, default=3)
+    p.add_argument("--racks", type=int, default=64, help="racks of 18 trays in the scale simulation")
+    p.add_argument("--outdir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--from-json", help="re-summarise a recovery.json instead of measuring")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown table to stderr too")
+    a = p.parse_args(argv)
+    raw = json.loads(Path(a.from_json).read_text())["raw"] if a.from_json else run(a)
+    res = {**summarise(raw, a.interval_s), "raw": raw}
+    out = Path(a.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recovery.json").write_text(json.dumps(res, indent=1))
+    table = markdown(res)
+    (out / "recovery.md").write_text(table)
+    res["plot"] = str(plot(res, out / "recovery.png"))
+    res["markdown"] = str(out / "recovery.md")
+    if a.markdown or "--json" not in sys.argv:
+        _say(table)
+    return res
