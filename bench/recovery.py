@@ -48,10 +48,18 @@ def size_fits(mib: int, ranks: int, available: int) -> str:
 
 
 def time_lost(report: dict[str, Any], step_s: float) -> float | None:
-    """Wall time a drill's job lost to the failure: the pause, plus any step that had to be redone."""
+    """Wall time a drill's job lost to the failure, plus any step that had to be redone. Planned:
+    the pause (the job trains until then). Unplanned: from the kill (the survivors stall in their
+    collective at once) to the resume: detect_s + the phases up to ``resumed``."""
     if report.get("pause_s") is None:
         return None
-    return report["pause_s"] + max(0, report.get("lost_steps") or 0) * step_s
+    lost = report["pause_s"]
+    if str(report.get("mode", "")).startswith("unplanned") and report.get("detect_s") is not None:
+        phases = report.get("timeline") or []
+        upto = next((i for i, p in enumerate(phases) if p["phase"] == "resumed"), None)
+        if upto is not None:
+            lost = report["detect_s"] + sum(p["seconds"] for p in phases[1:upto + 1])
+    return lost + max(0, report.get("lost_steps") or 0) * step_s
 
 
 def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
@@ -69,7 +77,7 @@ def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
         "restart_over_pause": {}, "restart_over_pause_measured": {}, "pause_over_floor": {},
     }
     for mode, rep in raw.get("modes", {}).items():
-        lost = rep.get("time_lost_s")
+        lost = rep["time_lost_s"] = time_lost(rep, base.get("step_s", 0.0))
         out["restart_over_pause"][mode] = _round(ratio(restart, lost)) if lost else rep.get("not_available")
         out["restart_over_pause_measured"][mode] = _round(ratio(base.get("time_lost_s"), lost)) if lost else None
     gbps = raw.get("link_gbps")
@@ -244,11 +252,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     cluster.reset()
     daemon = _Daemon(cluster, work)
     try:
-        step_s = raw["baseline"].get("step_s", 0.0)
         for mode in a.modes.split(","):
-            rep = _drill(daemon, cluster, mode, a.nodes)
-            rep["time_lost_s"] = time_lost(rep, step_s)
-            raw["modes"][mode] = rep
+            raw["modes"][mode] = _drill(daemon, cluster, mode, a.nodes)
         aware = raw["modes"].get("planned-aware", {})
         if aware.get("pause_s") is not None:
             raw["sizes"]["model only"] = aware

@@ -104,7 +104,7 @@ def test_baseline_analysis_finds_the_restart_and_splits_the_loss() -> None:
 
 def test_recovery_summary_ratios_and_goals() -> None:
     raw = {"baseline": {"restart_overhead_s": 60.0, "time_lost_s": 70.0}, "link_gbps": 2.0,
-           "modes": {"planned-aware": {"time_lost_s": 1.8}, "unplanned": {"not_available": "not available: x"}},
+           "modes": {"planned-aware": {"pause_s": 1.8}, "unplanned": {"not_available": "not available: x"}},
            "sizes": {"1 GiB": {"pause_s": 2.5, "bytes": 2**30}, "4 GiB": {"not_available": "skipped: memory"}},
            "overhead": {"ratio": 1.004}, "scale": {"decision_latency_ms": 42.0, "nodes": 1152}}
     res = recovery.summarise(raw, interval_s=600.0)
@@ -124,11 +124,16 @@ def test_state_sizes_that_do_not_fit_are_skipped_with_the_reason() -> None:
     assert "skipped" in recovery.size_fits(4096, 3, 16 * 2**30)
     assert recovery.time_lost({"pause_s": 2.0, "lost_steps": 1}, 0.25) == 2.25
     assert recovery.time_lost({"pause_s": None}, 0.25) is None
+    # unplanned: from the kill: detection, then every phase up to the resume
+    timeline = [{"phase": "detected", "seconds": 0.0}, {"phase": "spare_chosen", "seconds": 0.5},
+                {"phase": "resumed", "seconds": 3.0}, {"phase": "released", "seconds": 9.0}]
+    rep = {"mode": "unplanned", "pause_s": 3.4, "detect_s": 0.2, "lost_steps": 0, "timeline": timeline}
+    assert recovery.time_lost(rep, 0.25) == pytest.approx(3.7)
 
 
 def test_recovery_plot_and_outputs_from_a_saved_result(tmp_path: Path) -> None:
     raw = {"baseline": {"restart_overhead_s": 60.0, "time_lost_s": 70.0}, "link_gbps": 1.0,
-           "modes": {"planned-aware": {"time_lost_s": 1.0, "pause_s": 1.0}},
+           "modes": {"planned-aware": {"pause_s": 1.0}},
            "sizes": {"model only": {"pause_s": 1.0, "bytes": 3 << 20}, "0.25 GiB": {"pause_s": 1.6, "bytes": 2**28}},
            "overhead": {"ratio": 1.0}, "scale": {"decision_latency_ms": 10.0, "nodes": 72}}
     saved = tmp_path / "in.json"
