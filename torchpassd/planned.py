@@ -199,7 +199,8 @@ class Flow:
         return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", target,
                 *(["--config", config] if config else []),
                 "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{p.store_host}:{p.store_port}", "--rdzv-id", f"{p.job}-join-{self.id[:8]}",
+                "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
+                "--rdzv-id", f"{p.job}-join-{self.id[:8]}-{target}",  # one rendezvous per joiner
                 # launchpad gives a lone worker rank 0 of 1; env sets the rank it takes over.
                 "--no-python", "/usr/bin/env", f"RANK={rank}", f"ROLE_RANK={rank}",
                 f"WORLD_SIZE={p.world_size}", f"ROLE_WORLD_SIZE={p.world_size}",

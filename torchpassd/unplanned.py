@@ -246,10 +246,6 @@ class UnplannedRecovery(Flow):
         rank_node = {w["rank"]: n for n in p.survivors for w in view.launchpads[n].workers}
         p.donor, p.laggards, p.resume_step = choose_donor(steps, rank_node, where=self.where)
         p.steps = steps
-        leaders = [n for n in p.survivors if n not in p.laggards]
-        if len(p.seats) > len(leaders):
-            raise MigrationError(f"{len(p.seats)} ranks were lost but only {len(leaders)} survivors are at step "
-                                 f"{p.resume_step}", hint="restart the job from its last checkpoint", **self.where)
         await self.phase(INTERRUPTED_ALL, steps=steps, resume_step=p.resume_step, donor=p.donor,
                          laggards=p.laggards)
 
@@ -261,7 +257,8 @@ class UnplannedRecovery(Flow):
         args = {n: dict(base) for n in p.survivors}
         leaders = [p.donor, *[n for n in p.survivors if n not in p.laggards and n != p.donor]]
         token = self.token.hex()
-        for seat, donor in zip(p.seats, leaders, strict=False):
+        for i, seat in enumerate(p.seats):  # spread lost ranks over the survivors at the step (DDP replicas)
+            donor = leaders[i % len(leaders)]
             args[donor].setdefault("donate", []).append(
                 {"rank": seat["rank"], "dest": {"host": seat["target_addr"], "port": p.port, "token": token}})
         view = self.view()

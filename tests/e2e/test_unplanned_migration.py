@@ -1,13 +1,14 @@
 """Unplanned, model-aware migration end to end on the dev cluster: a node of the training job is
 killed (SIGKILL of its slurmd, launchpad and workers) or cut off the network; torchpassd detects
 it, rebuilds the lost rank on the spare from a surviving replica, and the job goes on from the
-step that failed, bit-identical to a run without the failure. Also: no spare free (the job waits
-with the survivors parked and says why, then recovers), and the `fail` policy (the job ends
-clearly at once)."""
+step that failed, bit-identical to a run without the failure. Also: a second node dying during
+the recovery (both recovered, two spares), no spare free (the job waits with the survivors parked
+and says why, then recovers), and the `fail` policy (the job ends clearly at once)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from tests.e2e.conftest import Daemon, Training, wait_until
 from tests.support.devcluster import DevCluster
-from torchpassd.drill import DrillReport
+from torchpassd.drill import EXAMPLE, DrillReport
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
@@ -107,6 +108,39 @@ def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, 
     judge(job.log, ref, VICTIM_RANK, resumed["resumed_at_step"], offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
     assert rep.resumed_at_step == resumed["resumed_at_step"], rep
+
+
+def _reference(workdir: Path, nodes: int) -> Path:
+    """The example training on ``nodes`` ranks without a failure (launchpad on this machine)."""
+    log = workdir / f"reference-{nodes}.log"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}
+    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(nodes), str(EXAMPLE),
+                    "--steps", str(STEPS), "--log", str(log)], check=True, timeout=600, env=env, capture_output=True)
+    return log
+
+
+def test_second_death_during_the_recovery_is_recovered_too(torchpassd: Daemon, devcluster: DevCluster,
+                                                           tp_config: Path, workdir: Path) -> None:
+    devcluster.run("scontrol", "update", "reservationname=torchpass_spares", "nodes=n4,n5")  # two spares
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=3)
+    job.wait_running(torchpassd, min_step=5)
+    devcluster.kill_node("n3")
+    offset = job.log.stat().st_size
+    torchpassd.wait_phase(job.job, ("spare_chosen", "spare_added", "joiner_ready"), timeout=60)
+    devcluster.kill_node("n2")  # while the first recovery starts its joiner
+    mig = torchpassd.wait_migration(job.job, "n3", timeout=240)
+    assert mig["status"] == "succeeded", mig
+    chosen = [p["detail"] for p in mig["phases"] if p["phase"] == "spare_chosen"]
+    assert [(c["dead"], c["spare"]) for c in chosen] == [("n3", "n4"), ("n2", "n5")], chosen
+    failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+    job.wait_done(timeout=180)
+    ref = _reference(workdir, 3)
+    for rank in (1, 2):
+        rep = DrillReport()
+        judge(job.log, ref, rank, failed_step, offset, rep)
+        assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
+        assert rep.resumed_at_step == failed_step, rep
 
 
 def test_no_spare_with_fail_policy_ends_the_job_clearly(torchpassd: Daemon, devcluster: DevCluster,
