@@ -57,6 +57,7 @@ class DrillReport:
     step_at_kill: int | None = None  # unplanned: the highest step any rank had started at the kill
     workdir: str = ""
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    move: dict[str, Any] = field(default_factory=dict)  # planned-transparent: dump, transfer, restore
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,8 @@ class Drill:
         rep.migrated_from, rep.migrated_to = victim, mig["target"] or ""
         phases = mig["phases"]
         rep.timeline = [{"phase": p["phase"], "status": p["status"], "seconds": round(p["seconds"], 3)} for p in phases]
+        if self.mode == drill_transparent.MODE:
+            rep.move = drill_transparent.move_timings(phases)
         for p in phases:
             self._note(f"  {p['phase']:<13} {p['status']:<11} +{p['seconds']:.3f}s")
         if mig["status"] != "succeeded":

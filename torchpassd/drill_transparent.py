@@ -6,7 +6,15 @@ process (criu, torchpassd/transparent.py). The reference run and the comparison 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 MODE = "planned-transparent"
 SCRIPT = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_tutorial.py"
 SBATCH_MODE = "transparent"
+MOVE_KEYS = ("dump_s", "frozen_s", "transfer_s", "restore_s", "image_bytes", "page_bytes")
+
+
+def move_timings(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Dump, transfer and restore of the move, each timed on its own (the handed_over phase)."""
+    detail = next((p["detail"] for p in phases if p["phase"] == "handed_over"), {})
+    return {k: detail.get(k) for k in MOVE_KEYS}
