@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import test_planned_migration as planned_e2e
 from tests.e2e.conftest import Daemon, Training, assert_bit_identical
 from tests.support.devcluster import DevCluster
 from torchpassd import drill_transparent
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.criu, pytest.mark
 STEPS = 120
 STEP_SLEEP = 0.2  # the job must outlast the spare's launchpad start-up, the pause and the move
 SCRIPT = drill_transparent.SCRIPT
+workdir = planned_e2e.workdir  # the fixture: one directory per test
 
 
 @pytest.fixture(autouse=True)
@@ -34,14 +36,6 @@ def _criu() -> None:
         locate.find()
     except CriuUnavailable as e:
         pytest.skip(str(e))
-
-
-@pytest.fixture
-def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
-    d = e2e_dir / request.node.name
-    d.mkdir(mode=0o755, exist_ok=True)
-    (d / "train.log").unlink(missing_ok=True)
-    return d
 
 
 def test_drill_planned_transparent_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:
