@@ -92,6 +92,7 @@ class UnplannedRecovery(Flow):
         self.no_spare = no_spare
         self._more: list[Death] = []
         self._changed = asyncio.Event()
+        self._slurm = asyncio.Lock()  # one job resize at a time
         self.failure: str | None = None
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -108,8 +109,7 @@ class UnplannedRecovery(Flow):
         try:
             await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
                              evidence=p.evidence, failed_at=p.failed_at)
-            for d in deaths:
-                await self._seat(d)
+            await self._seat_all(deaths)
             await self._wait_interrupted()
             await self._recover()
         except RanksAlive as exc:
@@ -151,13 +151,14 @@ class UnplannedRecovery(Flow):
         seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0]}
         p.seats.append(seat)
         p.survivors = survivors
-        seat["target"], seat["target_addr"] = await self._take_spare()
-        if not p.target:
-            p.target, p.rank, p.target_addr = seat["target"], seat["rank"], seat["target_addr"]
-        p.port = WORMHOLE_PORT_BASE + p.new_gen
-        await self.phase(SPARE_CHOSEN, dead=death.node, rank=seat["rank"], spare=seat["target"])
-        await asyncio.to_thread(self.d.resizer.add_node, int(p.job), seat["target"])
-        await self.phase(SPARE_ADDED, spare=seat["target"])
+        async with self._slurm:
+            seat["target"], seat["target_addr"] = await self._take_spare()
+            if not p.target:
+                p.target, p.rank, p.target_addr = seat["target"], seat["rank"], seat["target_addr"]
+            p.port = WORMHOLE_PORT_BASE + p.new_gen
+            await self.phase(SPARE_CHOSEN, dead=death.node, rank=seat["rank"], spare=seat["target"])
+            await asyncio.to_thread(self.d.resizer.add_node, int(p.job), seat["target"])
+            await self.phase(SPARE_ADDED, spare=seat["target"])
         donor = survivors[0]
         tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone
         self._adopt_template(tpl)
@@ -167,11 +168,36 @@ class UnplannedRecovery(Flow):
         await self._start_joiner(tpl, seat["rank"], seat["target"], seat["target_addr"])
         await self.phase(JOINER_READY, spare=seat["target"])
 
+    async def _seat_all(self, deaths: list[Death]) -> None:
+        """Seat every dead node's rank with the joiners starting side by side; a node that dies
+        meanwhile has its seat started at once too (the pause is the slowest joiner's start)."""
+        tasks = {asyncio.ensure_future(self._seat(d)) for d in deaths}
+        try:
+            while tasks:
+                changed = asyncio.ensure_future(self._changed.wait())
+                done, _ = await asyncio.wait({*tasks, changed}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                for t in done & tasks:
+                    tasks.discard(t)
+                    t.result()  # a seat that failed fails the recovery
+                self._changed.clear()
+                tasks |= {asyncio.ensure_future(self._seat(d)) for d in await self._new_deaths()}
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _absorb(self) -> None:
         """Take in nodes that died since the last look (before the hand-over only)."""
+        for death in await self._new_deaths():
+            await self._seat(death)
+
+    async def _new_deaths(self) -> list[Death]:
+        """Deaths reported since the last look that need a seat; raises when one cannot have it."""
+        found: list[Death] = []
         while self._more:
             death = self._more.pop(0)
-            if death.node in self.plan.dead:
+            if death.node in self.plan.dead or death.node in (d.node for d in found):
                 continue
             if self.plan.recover_sent:
                 raise MigrationError(f"{death.node} died too while the job recovered from {self.plan.source}'s "
@@ -182,7 +208,8 @@ class UnplannedRecovery(Flow):
                 raise MigrationError(f"{death.node} died too while the job recovered, and no second spare is free",
                                      hint="add spares to the reservation, or restart from the last checkpoint",
                                      **self.where)
-            await self._seat(death)
+            found.append(death)
+        return found
 
     def _check_still_training(self, baseline: dict[str, int]) -> None:
         """A survivor that completes two more steps while we wait for the interruption has had

@@ -43,6 +43,15 @@ def e2e_dir(tmp_path_factory: pytest.TempPathFactory, devcluster: DevCluster) ->
     return d
 
 
+@pytest.fixture
+def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
+    """A clean directory for one test (its job script, training log, references)."""
+    d = e2e_dir / request.node.name
+    d.mkdir(mode=0o755, exist_ok=True)
+    (d / "train.log").unlink(missing_ok=True)
+    return d
+
+
 @pytest.fixture(scope="session")
 def tp_config(devcluster: DevCluster, e2e_dir: Path) -> Path:
     """torchpass.toml for this dev cluster (whose slurm.conf enables the TorchPass cli_filter)."""

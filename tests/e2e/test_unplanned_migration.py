@@ -27,14 +27,6 @@ STEP_SLEEP = 0.15
 VICTIM, VICTIM_RANK = "n3", 2  # never the batch host (n1); node n<k> runs rank k-1
 
 
-@pytest.fixture
-def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
-    d = e2e_dir / request.node.name
-    d.mkdir(mode=0o755, exist_ok=True)
-    (d / "train.log").unlink(missing_ok=True)
-    return d
-
-
 def _drill(tp_config: Path, mode: str) -> dict:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
                           "--mode", mode, "--json", "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP),
