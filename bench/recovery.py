@@ -190,32 +190,32 @@ class _Daemon:
                 self.proc.wait(10)
 
 
-def _drill(daemon: _Daemon, cluster: Any, mode: str, nodes: int, state_mib: int = 0) -> dict[str, Any]:
-    """One drill through torchpassctl drill's code; its report plus the hand-over's bytes."""
+def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0) -> dict[str, Any]:
+    """One drill through torchpassctl drill's code, against a torchpassd of its own (one journal for
+    all: torchpassd's spare pool still counts a spare used by an ended job's migration as taken, so
+    a second drill in one daemon would wait for a spare); its report plus the hand-over's bytes."""
     from torchpass_common.errors import TorchPassError
     from torchpassd import drill as drillmod
 
     if mode not in drillmod.MODES:
         return {"not_available": f"not available: this build's torchpassctl drill has no mode {mode!r} "
                                  f"(it has {', '.join(drillmod.MODES)})"}
-    settings = drillmod.DrillSettings(nodes=nodes, state_mib=state_mib)
+    settings = drillmod.DrillSettings(nodes=nodes, state_mib=state_mib, timeout=300.0)
     _say(f"[recovery] drill {mode}" + (f" with {state_mib} MiB extra state per rank" if state_mib else ""))
+    daemon = _Daemon(cluster, work)
     try:
         rep = drillmod.run(daemon.cfg, mode, settings, say=_say)
-    except TorchPassError as exc:
-        rep = {"ok": False, "error": str(exc)}
-    finally:
-        cluster.reset()
-    if rep.get("pause_s") is None:
-        rep["not_available"] = f"not available: the {mode} drill measured no pause ({rep.get('error')})"
-        return rep
-    try:
-        for m in daemon.client.call("history", job=rep["job_id"]):
+        for m in daemon.client.call("history", job=rep["job_id"]) if rep.get("job_id") else []:
             for p in m["phases"]:
                 if p["phase"] == "handed_over" and p["detail"].get("bytes"):
                     rep["bytes"], rep["transfer_s"] = p["detail"]["bytes"], p["detail"].get("transfer_s")
     except TorchPassError as exc:
-        rep["history_error"] = str(exc)
+        rep = {"ok": False, "error": str(exc)}
+    finally:
+        daemon.stop()
+        cluster.reset()
+    if rep.get("pause_s") is None:
+        rep["not_available"] = f"not available: the {mode} drill measured no pause ({rep.get('error')})"
     return rep
 
 
@@ -250,19 +250,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     _part(raw, "baseline", f"checkpoint-restart baseline ({a.nodes} nodes)", lambda: _restart.run(
         cluster, work / "baseline", nodes=a.nodes, every=a.checkpoint_every, say=_say))
     cluster.reset()
-    daemon = _Daemon(cluster, work)
-    try:
-        for mode in a.modes.split(","):
-            raw["modes"][mode] = _drill(daemon, cluster, mode, a.nodes)
-        aware = raw["modes"].get("planned-aware", {})
-        if aware.get("pause_s") is not None:
-            raw["sizes"]["model only"] = aware
-        for mib in [int(x) for x in a.sizes_mib.split(",") if x]:
-            label = f"{mib / 1024:g} GiB"
-            why = size_fits(mib, a.nodes, mem_available())
-            raw["sizes"][label] = {"not_available": why} if why else _drill(daemon, cluster, "planned-aware", a.nodes, mib)
-    finally:
-        daemon.stop()
+    for mode in a.modes.split(","):
+        raw["modes"][mode] = _drill(cluster, work, mode, a.nodes)
+    aware = raw["modes"].get("planned-aware", {})
+    if aware.get("pause_s") is not None:
+        raw["sizes"]["model only"] = aware
+    for mib in [int(x) for x in a.sizes_mib.split(",") if x]:
+        label = f"{mib / 1024:g} GiB"
+        why = size_fits(mib, a.nodes, mem_available())
+        raw["sizes"][label] = {"not_available": why} if why else _drill(cluster, work, "planned-aware", a.nodes, mib)
+    raw["journal"] = str(work / "state" / "journal.sqlite")  # torchpassctl goodput --journal
     _part(raw, "overhead", "steady-state overhead (bench/overhead.py)",
           lambda: overhead.main(["--rounds", str(a.overhead_rounds), "--steps", "150"]))
     _part(raw, "scale", "orchestrator at scale (bench/scale.py)", lambda: scale.main(["--racks", str(a.racks)]))
