@@ -240,7 +240,7 @@ class Agent:
                 # a survivor whose donor's stream broke keeps its own state and waits for a new recover
                 self._error(f"loading the donor's state failed: {exc}; this rank keeps its own state "
                             f"(step {rejoin.step}), send recover again")
-                rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, group.gen, str(exc))
+                rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, rejoin.gen, str(exc))
                 source = rejoin.source
         meta = rec["torchpass"]
         ddp_layout.replay(group, meta["ddp"])
@@ -251,7 +251,7 @@ class Agent:
         self._send(ac.message(ac.JOINED, step=meta["step"], **extra))
         self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4),
                        recovered=rejoin is not None)
-        del rec, rejoin
+        del rec, rejoin, source
         self.park()
 
     def _receive(self, source: dict[str, Any]) -> dict[str, Any]:

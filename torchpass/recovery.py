@@ -40,6 +40,7 @@ class Rejoin:
     source: dict[str, Any]
     own: dict[str, Any]
     step: int
+    gen: int = 0  # the generation whose collective failed
     donated_bytes: int = 0
     donated_seconds: float = 0.0
 
@@ -130,7 +131,7 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
         source = msg.get("load_from") or {"record": own}
         agent._log.info("agent.recovering", gen=msg["gen"], step=step, load_from=sorted(source),
                         donated=[d.get("to") for d in msg["donate"]], bytes=sent)
-        return Rejoin(source, own, step, sent, seconds)
+        return Rejoin(source, own, step, gen, sent, seconds)
 
 
 def donate(own: dict[str, Any], donations: list[dict[str, Any]], *, rank: int, wait: float) -> tuple[int, float]:

@@ -59,11 +59,18 @@ def _hold(phase):
 model.module[0].weight.register_hook(lambda grad: _hold("backward"))
 opt.register_step_pre_hook(lambda *_: _hold("optimizer"))
 '''
-SCRIPT = lt.HANDOVER_SCRIPT.replace("torchpass.register(save=save, load=load)",
-                                    "torchpass.register(save=save, load=load)" + _KNOB).replace(
-    '    progress["step"] += 1\n',
-    '    progress["step"] += 1\n    if fault:\n        _mark("step")\n        _hold("between")\n')
-assert SCRIPT.count("_hold(") == 4  # the knob is in place
+
+
+def with_knob(register: bool) -> str:
+    text = lt._SCRIPT.replace("#REGISTER", ("import torchpass\ntorchpass.register(save=save, load=load)"
+                                            if register else "") + _KNOB)
+    text = text.replace('    progress["step"] += 1\n',
+                        '    progress["step"] += 1\n    if fault:\n        _mark("step")\n        _hold("between")\n')
+    assert text.count("_hold(") == 4  # the knob is in place
+    return text
+
+
+SCRIPT, PLAIN_SCRIPT = with_knob(register=True), with_knob(register=False)
 
 
 class Orchestrator(lc.Orchestrator):
@@ -77,25 +84,29 @@ class Orchestrator(lc.Orchestrator):
         return (self.hb(node) or {}).get("workers", [])
 
     async def to(self, node: str, cmd: str, args: dict[str, Any], *, gen: int, migration: str = "r1",
-                 timeout: float = 120.0) -> dict[str, Any]:
+                 timeout: float = 120.0, ok: bool = True) -> dict[str, Any]:
+        """Send ``cmd`` to ``node``; the ack's result (``ok``: it must succeed; else the ack body)."""
         payload = protocol.encode(protocol.COMMAND, job=JOB, gen=gen, body={"cmd": cmd, "migration": migration,
                                                                             "args": args})
         await self.client.publish(protocol.cmd_topic(JOB, node), payload)
         cid = protocol.decode(payload).id
         await self.until(lambda: cid in self.acks, timeout)
         body = self.acks[cid][0].body
+        if not ok:
+            return body
         assert body["ok"], f"{cmd} on {node}: {body['error']}"
         return body["result"]
 
 
-def start_nodes(procs: Procs, tmp_path: Path, broker: Mosquitto, fault: dict[str, Any]) -> tuple[list, Path]:
+def start_nodes(procs: Procs, tmp_path: Path, broker: Mosquitto, fault: dict[str, Any],
+                script_text: str = SCRIPT) -> tuple[list, Path]:
     config = tmp_path / "torchpass.toml"
     config.write_text(f"[broker]\nhost = '{broker.host}'\nport = {broker.port}\nkeepalive = 2\n"
                       f"[timeouts]\nheartbeat_interval = {lc.HB_INTERVAL}\ncollective = {COLLECTIVE}\n")
     out, marks = tmp_path / "out", tmp_path / "marks"
     out.mkdir()
     marks.mkdir()
-    script = write_script(tmp_path, SCRIPT)
+    script = write_script(tmp_path, script_text)
     port = lt.free_port()
     env = {"TORCHPASS_CONFIG": str(config), "TP_FAULT": json.dumps({**fault, "dir": str(marks)})}
     nodes = [procs.start(launchpad_argv("--nnodes=3", f"--node-rank={i}", "--master-addr=127.0.0.1",
@@ -184,3 +195,29 @@ def test_a_killed_node_is_recovered_at_the_step_in_progress(procs: Procs, tmp_pa
         # the joiner inherits the donor's loss history; every loss from the resumed step on is its own
         start = 0 if rank < 2 else resume_step
         assert got[rank]["losses"][start:] == want[rank]["losses"][start:], f"rank {rank}: losses differ"
+
+
+def test_without_register_recover_is_refused_and_abort_ends_the_job(procs: Procs, tmp_path: Path,
+                                                                     mosquitto: Mosquitto) -> None:
+    async def drive() -> None:
+        async with lc.orchestrator(mosquitto, Orchestrator) as orch:
+            assert isinstance(orch, Orchestrator)
+            nodes, marks = start_nodes(procs, tmp_path, mosquitto, {"rank": 2, "at": 3, "phase": "between",
+                                                                    "hold": HOLD}, PLAIN_SCRIPT)
+            await wait_file(marks / "rank2.between")
+            await orch.until(lambda: orch.workers(DEAD))
+            os.killpg(orch.workers(DEAD)[0]["pid"], signal.SIGKILL)
+            os.killpg(nodes[2].pid, signal.SIGKILL)
+            (marks / "killed").write_text("1")
+            await orch.until(lambda: all([w["state"] for w in orch.workers(n)] == ["interrupted"] for n in NODES[:2]))
+            assert [orch.workers(n)[0]["registered"] for n in NODES[:2]] == [False, False]
+            ack = await orch.to("n0", "recover", {"gen": 2, "step": 3}, gen=2, ok=False)
+            assert not ack["ok"] and "never called torchpass.register()" in ack["error"]
+            assert "last checkpoint" in ack["error"]
+            results_ = await asyncio.gather(*(orch.to(n, "abort", {"exit": True}, gen=2) for n in NODES[:2]))
+            assert [(r["interrupted"], r["exited"]) for r in results_] == [([0], True), ([1], True)]
+            for node in nodes[:2]:
+                await asyncio.to_thread(node.wait, 60)
+            assert [node.returncode for node in nodes[:2]] == [75, 75]  # failed clearly, not "succeeded"
+
+    asyncio.run(drive())

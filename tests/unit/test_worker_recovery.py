@@ -70,7 +70,7 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     agent.save_fn, agent.load_fn = (lambda: state("template", 0.0)), loaded.append
     own, donor = handover.record(state("own", 6.0), 6, []), handover.record(state("donor", 7.0), 7, [])
     token, port = secrets.token_bytes(32), free_port()
-    agent.rejoin = recovery.Rejoin({"listen_host": "127.0.0.1", "port": port, "token": token.hex()}, own, 6)
+    agent.rejoin = recovery.Rejoin({"listen_host": "127.0.0.1", "port": port, "token": token.hex()}, own, 6, gen=1)
     joined = threading.Thread(target=agent.join, daemon=True)
     joined.start()
     assert next_reply(launchpad)["t"] == ac.READY
@@ -80,7 +80,7 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     error = next_reply(launchpad)
     assert error["t"] == ac.ERROR and "keeps its own state (step 6)" in error["msg"]
     again = next_reply(launchpad)
-    assert (again["t"], again["step"], again["registered"]) == (ac.INTERRUPTED, 6, True)
+    assert (again["t"], again["gen"], again["step"], again["registered"]) == (ac.INTERRUPTED, 1, 6, True)
     assert not loaded  # nothing half-received was loaded
     path = tmp_path / "donor.pt"
     handover.send(donor, {"path": str(path)}, rank=0)
