@@ -38,6 +38,7 @@ class WorkerLink:
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
     interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
+    recovering: bool = False  # from INTERRUPTED until RESUMED (unplanned recovery)
     registered: bool = False  # the script called torchpass.register(save, load)
 
 
@@ -94,12 +95,14 @@ class ChannelServer:
             link.step = msg["step"]
         link.state = _STATE_AFTER.get(kind, link.state)
         if kind == ac.INTERRUPTED:
-            link.interruption = {k: msg[k] for k in ("gen", "registered", "error")}
+            link.interruption, link.recovering = {k: msg[k] for k in ("gen", "registered", "error")}, True
             self._log.warning("channel.worker_interrupted", rank=link.rank, pid=link.pid, **link.interruption)
             if self.on_interrupted is not None:
                 self.on_interrupted(link)
         elif kind == ac.JOINED:
             link.interruption = None
+        elif kind == ac.RESUMED:
+            link.recovering = False
         if kind == ac.RESUMED:  # a joiner that resumed with the group is a member like any other
             link.joining = False
         if kind == ac.ERROR:

@@ -246,12 +246,13 @@ class Commands:
             cur = self.agent.gen
             await self._all(paused, lambda _: ac.message(ac.RESUME, gen=cur),
                             lambda r: r["t"] == ac.RESUMED, self.agent.timeouts.reform)
-        # interrupted workers wait for a recover; with "exit" they end (non-zero: the job failed)
-        interrupted = [lk for lk in self.agent.channel.links.values() if lk.connected and lk.interruption is not None]
-        if args.get("exit") and interrupted:
-            await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in interrupted))
+        # workers in an unplanned recovery (interrupted, or re-entered and parked, not resumed) wait for
+        # the next command; with "exit" they end (non-zero: the job failed)
+        recovering = [lk for lk in self.agent.channel.links.values() if lk.connected and lk.recovering]
+        if args.get("exit") and recovering:
+            await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in recovering))
         return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused),
-                "interrupted": sorted(lk.rank for lk in interrupted), "exited": bool(args.get("exit") and interrupted)}
+                "interrupted": sorted(lk.rank for lk in recovering), "exited": bool(args.get("exit") and recovering)}
 
     async def exit(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Ask workers to exit cleanly: every worker, or with ``rank`` only the (non-joining)

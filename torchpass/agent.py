@@ -44,6 +44,7 @@ class Agent:
         self._gone = False
         self._log = log.get(rank=rank)
         self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
+        self.recovering = False  # from an interruption until the resume: an exit then is a failure
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +160,7 @@ class Agent:
         elif kind == ac.REFORM:
             self._reform(msg)
         elif kind == ac.RESUME:
+            self.recovering = False
             self._send(ac.message(ac.RESUMED, gen=msg["gen"]))
             self._log.info("agent.resumed", gen=msg["gen"], step=step)
             self._wake = not self._commands.empty()
@@ -205,7 +207,7 @@ class Agent:
         self.chan.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(recovery.EXIT_INTERRUPTED if self.recovering else 0)  # a recovery given up: the job failed
 
     def _agent_gone(self) -> None:
         if not self._gone:

@@ -45,7 +45,7 @@ def recover(exc: BaseException) -> None:
     assert _agent is not None
     rejoin = recovery.interrupt(_agent, exc)
     default_group.install(joining=True)
-    _agent.rejoin, _agent.joining = rejoin, True
+    _agent.rejoin, _agent.joining, _agent.recovering = rejoin, True, True
 
 
 def register(save: Callable[[], Any], load: Callable[[Any], None]) -> None:

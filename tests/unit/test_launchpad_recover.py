@@ -1,7 +1,8 @@
 """launchpad's `recover` command over a real agent channel, the test playing two interrupted
 workers of one node: the most advanced one donates to the lost rank's joiner, the one that lagged
 a step loads the donor's state (load_from) and is refused without it; a worker that is not
-interrupted or never registered save/load makes a clear error; an interruption beats at once."""
+interrupted or never registered save/load makes a clear error; an interruption beats at once;
+abort {exit} ends the workers still in the recovery."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def with_node(tmp_path: Path, steps: dict[int, int], body: Callable[..., Awaitab
                                     group=SimpleNamespace(workers=procs),
                                     timeouts=Timeouts(collective=1, step=2, reform=3, decision=5))
             commands = Commands.__new__(Commands)  # the handler only needs its agent
-            commands.agent = agent
+            commands.agent, commands.joiners = agent, {}
             await asyncio.wait_for(body(commands, workers, beats), 20)
         finally:
             for chan in workers.values():
@@ -84,6 +85,10 @@ def test_the_leader_donates_and_the_lagging_worker_loads_the_donors_state(tmp_pa
         assert result["step"] == 7 and result["bytes"] == 4096 and set(result["ranks"]) == {"0", "1"}
         assert commands.agent.lost_nodes == 1
         assert {lk.state for lk in commands.agent.channel.links.values()} == {"joined"}
+        # the recovery is given up before the resume: the parked survivors are told to exit
+        aborted = await commands.abort({"exit": True}, 2, "r2")
+        assert (aborted["interrupted"], aborted["exited"]) == ([0, 1], True)
+        assert [(await workers[r].recv())["t"] for r in (0, 1)] == [ac.EXIT, ac.EXIT]
 
     with_node(tmp_path, {0: 7, 1: 6}, body)
 
