@@ -10,4 +10,4 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-pytest_plugins = ["tests.support.broker", "tests.support.devcluster"]
+pytest_plugins = ["tests.support.broker", "tests.support.devcluster", "tests.support.fault_matrix"]

@@ -5,6 +5,7 @@ hand-over, torchpassd SIGKILLed mid-migration, and the broker restarted mid-migr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, wait_until
 from tests.support.devcluster import DevCluster
+from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
@@ -55,8 +57,15 @@ def restart_broker(devcluster: DevCluster) -> None:
 
     pid = devcluster.info["daemons"]["mosquitto"]
     os.kill(pid, signal.SIGKILL)
-    wait_until("the broker to die", lambda: not Path(f"/proc/{pid}").exists(), 10)
+    wait_until("the broker to die", lambda: _reaped(pid), 10)
     daemons.start_mosquitto(instance.Instance.from_env())
+
+
+def _reaped(pid: int) -> bool:
+    """``pid`` is gone; a broker an earlier restart_broker started is this process's child, reaped here."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return not Path(f"/proc/{pid}").exists()
 
 
 def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
@@ -133,26 +142,31 @@ def test_spare_dying_during_hand_over_rolls_back(torchpassd: Daemon, devcluster:
 
 @pytest.mark.faults
 def test_torchpassd_sigkill_mid_migration_then_restart(torchpassd: Daemon, devcluster: DevCluster,
-                                                       tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+                                                       tp_config: Path, workdir: Path, reference,  # noqa: ANN001
+                                                       fault_matrix: FaultMatrix) -> None:
     job = training(devcluster, tp_config, workdir, torchpassd, step_sleep=3 * STEP_SLEEP)  # room for two joiners
     devcluster.drain("n3", "planned maintenance")
     torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
-    torchpassd.stop(signal.SIGKILL)
-    torchpassd.start()
-    first = torchpassd.wait_migration(job.job, "n3")
-    assert first["status"] == "rolled_back" and "restarted" in first["error"], first
-    second = torchpassd.wait_migration(job.job, "n3", skip=1)
-    assert second["status"] == "succeeded" and second["target"] == "n5", second
-    assert_bit_identical(job.wait_done(), reference(STEPS))
+    with fault_matrix.case("kill -9 torchpassd", "planned migration") as cell:
+        torchpassd.stop(signal.SIGKILL)
+        torchpassd.start()
+        first = torchpassd.wait_migration(job.job, "n3")
+        assert first["status"] == "rolled_back" and "restarted" in first["error"], first
+        second = torchpassd.wait_migration(job.job, "n3", skip=1)
+        assert second["status"] == "succeeded" and second["target"] == "n5", second
+        assert_bit_identical(job.wait_done(), reference(STEPS))
+        cell["outcome"], cell["detail"] = OK, "restart rolled the migration back (journal), retry succeeded; bit-identical"
 
 
 @pytest.mark.faults
 def test_broker_restart_mid_migration(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                      workdir: Path, reference) -> None:  # noqa: ANN001
+                                      workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
     job = training(devcluster, tp_config, workdir, torchpassd)
     devcluster.drain("n3", "planned maintenance")
     torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
-    restart_broker(devcluster)
-    mig = torchpassd.wait_migration(job.job, "n3")
-    assert mig["status"] == "succeeded", mig
-    assert_bit_identical(job.wait_done(), reference(STEPS))
+    with fault_matrix.case("kill -9 broker", "planned migration") as cell:
+        restart_broker(devcluster)  # SIGKILL, then start on the same port
+        mig = torchpassd.wait_migration(job.job, "n3")
+        assert mig["status"] == "succeeded", mig
+        assert_bit_identical(job.wait_done(), reference(STEPS))
+        cell["outcome"], cell["detail"] = OK, "clients reconnected, idempotent commands redelivered; migration succeeded; bit-identical"
