@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Daemon, Training, assert_bit_identical, wait_until
-from tests.e2e.test_planned_migration import STEPS, restart_broker, workdir  # noqa: F401 - fixture
+from tests.e2e.test_planned_migration import STEPS, restart_broker
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpassd.drill import DrillReport
@@ -55,7 +55,7 @@ def launchpad_pid(daemon: Daemon, job: str, node: str) -> int:
 
 
 def test_idle_kills_of_torchpassd_and_broker_and_a_short_cut(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,  # noqa: E501
-                                                             workdir: Path, reference,  # noqa: ANN001, F811
+                                                             workdir: Path, reference,  # noqa: ANN001
                                                              fault_matrix: FaultMatrix) -> None:
     """Three faults, one after the other, on one training job; none may start a migration, and
     the run must end bit-identical (so each cell is OK only once the whole run is)."""
@@ -101,7 +101,7 @@ def assert_recovered_bit_identical(job: Training, reference_steps: tuple, rank: 
 
 
 def test_idle_kill_one_launchpad(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                 workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001, F811
+                                 workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=IDLE_STEP_SLEEP)
     job.wait_running(torchpassd)
     with fault_matrix.case("kill -9 one launchpad", "idle training") as cell:
@@ -127,7 +127,7 @@ def _migration_under_way(torchpassd: Daemon, devcluster: DevCluster, tp_config: 
 
 
 def test_migration_kill_joiner_launchpad(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                         workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001, F811
+                                         workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
     job = _migration_under_way(torchpassd, devcluster, tp_config, workdir)
     with fault_matrix.case("kill -9 one launchpad", "planned migration") as cell:
         os.kill(launchpad_pid(torchpassd, job.job, "n5"), signal.SIGKILL)  # the joiner's, mid hand-over
@@ -140,7 +140,7 @@ def test_migration_kill_joiner_launchpad(torchpassd: Daemon, devcluster: DevClus
 
 
 def test_migration_cut_of_the_target(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                     workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001, F811
+                                     workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
     job = _migration_under_way(torchpassd, devcluster, tp_config, workdir)
     with fault_matrix.case("network cut of one node", "planned migration") as cell:
         devcluster.cut("n5")
