@@ -3,7 +3,8 @@ spare chosen -> added to the job -> launchpad and joining worker started there -
 reports its worker interrupted (just-in-time state saved) -> the most advanced survivor donates
 the lost rank's state to the joiner (laggards load it too) -> new generation formed -> resume at
 the step that failed -> dead node released. Phases are journaled, published and timed as in
-planned.py (whose Flow it shares); there is no going back, so a failure fails the job clearly."""
+planned.py (whose Flow it shares); there is no going back, so a failure fails the job clearly,
+except when the survivors turn out to train on (only the node's control plane was lost)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from torchpassd.failure_detect import INTERRUPTED, Death, FailureDetector
 from torchpassd.planned import JOINER_READY, SPARE_ADDED, SPARE_CHOSEN, WORMHOLE_PORT_BASE, Deps, Flow, Plan
 
 MODE = "unplanned-aware"
-NO_SPARE_POLICIES = ("wait", "fail")
 LAG_PORT_OFFSET = 50  # a lagging survivor listens for the donor's state on port + this
 DETECTED, INTERRUPTED_ALL, RECOVERED = "detected", "interrupted", "recovered"
 REFORMED, RESUMED, RELEASED, FAILED = planned.REFORMED, planned.RESUMED, planned.RELEASED, planned.FAILED
@@ -56,7 +56,8 @@ class UnplannedPlan(Plan):
 
 def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dict[str, Any]) -> tuple[str, list[str], int]:
     """(donor node, laggard nodes, step to resume at) from the survivors' completed steps.
-    The most advanced replica donates (DDP: every rank holds the whole model); survivors one
+    The most advanced replica donates (DDP: every rank holds the whole model; torchpassd does
+    not know an HSDP shard layout and treats every rank as a full replica); survivors one
     step behind it (the failure hit while others had finished that step) load its state; a gap
     of more than one step means the ranks were not in lock-step: not recoverable this way."""
     if not steps:
