@@ -141,6 +141,7 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
     """Strike ``victim`` while the job trains, follow the recovery, finish and judge the run."""
     rep = drill.report
     fault_kind = "cut" if drill.mode == CUT_MODE else "kill"
+    from torchpassd.drill import read_log  # noqa: PLC0415 - drill imports this module
     fault = Fault(drill, fault_kind)
     rep.fault = fault_kind
     job = drill._job() or {}
@@ -168,8 +169,11 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
         failed_step = resumed["resumed_at_step"]
         drill._note(f"rank {rank} rebuilt on {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s, "
                     f"resumed at step {failed_step}")
-        drill._wait(f"job {rep.job_id} to finish",
-                    lambda: not (j := drill.slurm.job(int(rep.job_id))) or not j.active)
+        # Training is done once every rank logged its final hash; after a network cut, srun may
+        # wait on for the cut node's task until the node comes back (the drill cancels the job).
+        drill._wait(f"job {rep.job_id} to finish training",
+                    lambda: not (j := drill.slurm.job(int(rep.job_id))) or not j.active
+                    or (log.exists() and len(read_log(log)[1]) >= drill.s.nodes))
     finally:
         fault.undo()
     drill._note("job finished; running the reference without a failure")
