@@ -42,8 +42,8 @@ def size_fits(mib: int, ranks: int, available: int) -> str:
     the joiner and the wormhole's receive buffer hold it), else why not."""
     need = mib * 2**20 * (ranks + 2)
     if need > MEMORY_MARGIN * available:
-        return (f"skipped: {ranks} ranks + joiner + receive buffer need {need / 2**30:.1f} GiB, this machine has "
-                f"{available / 2**30:.1f} GiB available (shared with other work)")
+        return (f"skipped: {ranks} ranks + joiner + receive buffer need {need / 2**30:.1f} GiB, more than "
+                f"{MEMORY_MARGIN:.0%} of the {available / 2**30:.1f} GiB available on this shared machine")
     return ""
 
 
