@@ -25,40 +25,31 @@ from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
 from launchpad.wormhole.sinks import BufferSink, FileSink, Sink, Slot, TensorSink, check_spec, make_slot
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
-from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, PieceHasher, recv_frame, send_status
+from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, digest, recv_frame, send_status
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
 MAX_STREAMS = 64
 
 
-def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Sink], meter: Meter,
-                 threaded: bool) -> None:
+def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Sink], meter: Meter) -> None:
     header = bytearray(CHUNK.size)
-    hasher = PieceHasher(f"wormhole-hash-{index}", threaded)
-    try:
-        for c in chunks:
-            stream.recv_into(memoryview(header))
-            if CHUNK.unpack(header) != (c.item, c.offset, c.length):
-                raise WormholeError(f"stream {index} out of step: expected chunk {c}, got (item, offset, "
-                                    f"length) {CHUNK.unpack(header)}", peer=stream.peer,
-                                    hint="the stream was corrupted; retry the transfer")
-            sink = sinks[c.item]
-            for lo in range(c.offset, c.offset + c.length, PIECE):
-                piece = sink.view[lo:min(lo + PIECE, c.offset + c.length)]
-                try:
-                    stream.recv_into(piece)
-                except BaseException:
-                    piece.release()
-                    raise
-                hasher.add(piece)  # hashed while the next piece arrives
-            if TRAILER.unpack(stream.recv_exact(TRAILER.size))[0] != hasher.intdigest():
-                raise WormholeError(f"checksum mismatch in {sink.path} bytes {c.offset}..{c.offset + c.length} "
-                                    f"on stream {index} (corrupted in transit)", peer=stream.peer,
-                                    hint="retry the transfer; if it repeats, check the NIC and link")
-            meter.add(c.length)
-    finally:
-        hasher.close()
+    for c in chunks:
+        stream.recv_into(memoryview(header))
+        if CHUNK.unpack(header) != (c.item, c.offset, c.length):
+            raise WormholeError(f"stream {index} out of step: expected chunk {c}, got (item, offset, length) "
+                                f"{CHUNK.unpack(header)}", peer=stream.peer,
+                                hint="the stream was corrupted; retry the transfer")
+        sink, hashed = sinks[c.item], digest()
+        for lo in range(c.offset, c.offset + c.length, PIECE):
+            with sink.view[lo:min(lo + PIECE, c.offset + c.length)] as piece:
+                stream.recv_into(piece)
+                hashed.update(piece)
+        if TRAILER.unpack(stream.recv_exact(TRAILER.size))[0] != hashed.intdigest():
+            raise WormholeError(f"checksum mismatch in {sink.path} bytes {c.offset}..{c.offset + c.length} "
+                                f"on stream {index} (corrupted in transit)", peer=stream.peer,
+                                hint="retry the transfer; if it repeats, check the NIC and link")
+        meter.add(c.length)
 
 
 class StateReceiver:
@@ -261,9 +252,7 @@ class StateReceiver:
                 meter = Meter(sum(s.spec["n"] for s in sinks), self._progress)
                 self._log.info("wormhole.receiving", bytes=meter.total, leaves=len(sinks), peer=streams[0].peer)
                 plan = stripe([s.spec["n"] for s in sinks], self.streams, manifest["chunk"])
-                threaded = PieceHasher.threads_pay_off(self.streams)
-                run_parallel([partial(_recv_chunks, st, i, plan[i], sinks, meter, threaded)
-                              for i, st in enumerate(streams)],
+                run_parallel([partial(_recv_chunks, st, i, plan[i], sinks, meter) for i, st in enumerate(streams)],
                              deadline=deadline, abort=lambda: [s.close() for s in streams],
                              what="wormhole receive")
                 seconds = meter.finish()

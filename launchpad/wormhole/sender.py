@@ -20,30 +20,24 @@ from launchpad.wormhole.payload import Source, make_source
 from launchpad.wormhole.plan import Chunk, stripe
 from launchpad.wormhole.progress import Meter, ProgressCallback, TransferStats
 from launchpad.wormhole.transport import Stream, TcpTransport, Transport
-from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, PieceHasher, recv_status, send_frame
+from launchpad.wormhole.wire import CHUNK, PIECE, TRAILER, digest, recv_status, send_frame
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
 MAX_STREAMS = 64
 
 
-def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], meter: Meter,
-                 threaded: bool) -> None:
-    hasher = PieceHasher(f"wormhole-hash-{stream.peer}", threaded)
+def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], meter: Meter) -> None:
     try:
         trailer = b""
         for c in chunks:
-            prefix = trailer + CHUNK.pack(c.item, c.offset, c.length)
+            prefix, hashed = trailer + CHUNK.pack(c.item, c.offset, c.length), digest()
             for lo in range(c.offset, c.offset + c.length, PIECE):
-                piece = sources[c.item].view[lo:min(lo + PIECE, c.offset + c.length)]
-                try:
+                with sources[c.item].view[lo:min(lo + PIECE, c.offset + c.length)] as piece:
+                    hashed.update(piece)
                     stream.send(prefix, piece)  # one gathered write: previous trailer, header, bytes
-                except BaseException:
-                    piece.release()
-                    raise
-                hasher.add(piece)  # hashed while the next piece is sent; the trailer follows the chunk
                 prefix = b""
-            trailer = TRAILER.pack(hasher.intdigest())
+            trailer = TRAILER.pack(hashed.intdigest())
             meter.add(c.length)
         stream.send(trailer)
         ok, message = recv_status(stream)
@@ -55,8 +49,6 @@ def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], met
             raise exc from None
         if ok:
             raise
-    finally:
-        hasher.close()
     if not ok:
         raise WormholeError(f"receiver rejected the transfer: {message}", peer=stream.peer)
 
@@ -93,8 +85,8 @@ def send_state(state: Any, host: str, port: int, token: bytes, *, streams: int =
         send_frame(conns[0], msgpack.packb({"skeleton": skeleton, "leaves": [s.spec for s in sources],
                                             "chunk": chunk_bytes}, use_bin_type=True))
         meter = Meter(sum(sizes), progress)
-        plan, threaded = stripe(sizes, streams, chunk_bytes), PieceHasher.threads_pay_off(streams)
-        run_parallel([partial(_send_chunks, c, plan[i], sources, meter, threaded) for i, c in enumerate(conns)],
+        plan = stripe(sizes, streams, chunk_bytes)
+        run_parallel([partial(_send_chunks, c, plan[i], sources, meter) for i, c in enumerate(conns)],
                      deadline=deadline, abort=lambda: [c.close() for c in conns], what="wormhole send")
         seconds = meter.finish()
     except WormholeError as exc:

@@ -4,10 +4,7 @@ receiver sends back. One home for every struct layout; knows nothing of sockets 
 
 from __future__ import annotations
 
-import os
-import queue
 import struct
-import threading
 
 import xxhash
 
@@ -35,74 +32,6 @@ def checksum(data: bytes | memoryview) -> int:
 def digest() -> xxhash.xxh3_64:
     """An incremental XXH3-64 (``update(piece)``, ``intdigest()``) equal to checksum() of the whole."""
     return xxhash.xxh3_64()
-
-
-class PieceHasher:
-    """Hashes a stream's pieces in a helper thread while the stream thread moves the next piece
-    (XXH3 ``update`` releases the GIL above 64 KiB), so the checksum is off the socket's critical
-    path. ``add(piece)`` hands over a memoryview slice (released once hashed); ``intdigest()``
-    ends the current chunk and returns its digest; ``close()`` stops the thread. One per stream.
-    Only worth it with a spare core (``threads_pay_off``): on a saturated host the two thread
-    wake-ups per piece cost more than they overlap, so ``threaded=False`` hashes inline in add()."""
-
-    _END = object()
-
-    def __init__(self, name: str, threaded: bool = True) -> None:
-        self._inline = None if threaded else digest()
-        self._todo: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._digests: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        if threaded:
-            self._thread.start()
-
-    @staticmethod
-    def threads_pay_off(streams: int) -> bool:
-        """Measured on the 2-core dev VM (bench wormhole): a hash thread per stream wins while
-        streams < cores, loses once the stream threads alone fill the cores."""
-        return streams < (os.cpu_count() or 1)
-
-    def _run(self) -> None:
-        hashed, failed = digest(), None
-        while (item := self._todo.get()) is not None:
-            if item is self._END:
-                self._digests.put(failed or hashed.intdigest())
-                hashed, failed = digest(), None
-                continue
-            assert isinstance(item, memoryview)
-            with item:  # released here: a file's mapping can close after a failed transfer
-                try:
-                    if failed is None:
-                        hashed.update(item)
-                except BaseException as exc:  # handed to intdigest() in the stream thread
-                    failed = exc
-
-    def add(self, piece: memoryview) -> None:
-        if self._inline is None:
-            self._todo.put(piece)
-            return
-        with piece:
-            self._inline.update(piece)
-
-    def intdigest(self, timeout: float = 60.0) -> int:
-        """The digest of every piece added since the previous call."""
-        if self._inline is not None:
-            value, self._inline = self._inline.intdigest(), digest()
-            return value
-        self._todo.put(self._END)
-        try:
-            result = self._digests.get(timeout=timeout)
-        except queue.Empty:
-            raise WormholeError("checksum thread stalled", hint="the host is overloaded; retry") from None
-        if isinstance(result, BaseException):
-            raise WormholeError(f"checksum failed: {result!r}") from result
-        return result
-
-    def close(self) -> None:
-        """Hash (and release) what is still queued, then stop. Idempotent."""
-        if self._inline is not None:
-            return
-        self._todo.put(None)
-        self._thread.join(10.0)
 
 
 def send_frame(stream: Stream, body: bytes) -> None:

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from launchpad.wormhole import File, StateReceiver, send_state
 from launchpad.wormhole.plan import stripe
-from launchpad.wormhole.wire import PieceHasher, checksum
 
 TOKEN = secrets.token_bytes(32)
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -180,21 +179,3 @@ def test_stripe_covers_every_byte_once_and_balances(sizes, streams, chunk):
     assert max(loads) - min(loads) <= chunk
     for s in plan:  # each stream sends its chunks in leaf order, so a leaf's bytes arrive in order
         assert [(c.item, c.offset) for c in s] == sorted((c.item, c.offset) for c in s)
-
-
-@pytest.mark.parametrize("threaded", [True, False])
-def test_piece_hasher_digests_each_chunk_like_one_checksum_and_releases_pieces(threaded):
-    data = memoryview(secrets.token_bytes(3 << 20))
-    hasher = PieceHasher("test-hash", threaded)
-    try:
-        pieces = [data[lo:lo + (1 << 19)] for lo in range(0, 1 << 21, 1 << 19)]
-        for piece in pieces:
-            hasher.add(piece)
-        assert hasher.intdigest() == checksum(data[:1 << 21])
-        hasher.add(data[1 << 21:])
-        assert hasher.intdigest() == checksum(data[1 << 21:])  # a fresh digest per chunk
-    finally:
-        hasher.close()
-    for piece in pieces:
-        with pytest.raises(ValueError):  # released once hashed (file mappings can then close)
-            piece.tobytes()

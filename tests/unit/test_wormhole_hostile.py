@@ -14,7 +14,6 @@ import structlog
 import torch
 
 from launchpad.wormhole import File, StateReceiver, send_state
-from launchpad.wormhole.wire import PieceHasher
 from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
@@ -161,11 +160,8 @@ def test_sender_sends_no_state_to_a_receiver_without_the_token():
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "hash-inline"])
 @pytest.mark.parametrize("fault", ["cut", "flip"])
-def test_torn_or_corrupted_stream_leaves_template_and_files_untouched(fault, hash_thread, tmp_path: Path,
-                                                                       monkeypatch):
-    monkeypatch.setattr(PieceHasher, "threads_pay_off", staticmethod(lambda streams: hash_thread))
+def test_torn_or_corrupted_stream_leaves_template_and_files_untouched(fault, tmp_path: Path):
     image = tmp_path / "pages.img"
     image.write_bytes(secrets.token_bytes(200_000))
     dst = tmp_path / "dst"
