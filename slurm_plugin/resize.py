@@ -118,13 +118,14 @@ class JobResizer:
 
     def add_spare(self, job_id: int, pool: SparePool) -> str:
         """Take a spare from ``pool``, grow the job by it, and return its name (the spare goes
-        back to the pool if Slurm refuses)."""
+        back to the pool if Slurm refuses; once the job holds it, Slurm's state guards it)."""
         node = pool.take(job=job_id)
         try:
             self.add_node(job_id, node)
         except SlurmError:
             pool.give_back(node)
             raise
+        pool.settled(node)
         return node
 
     def release_node(self, job_id: int, node: str) -> Job:

@@ -86,3 +86,10 @@ class SparePool:
         """Return a spare that was taken but not used (the migration was rolled back)."""
         with self._lock:
             self._taken.discard(node)
+
+    def settled(self, node: str) -> None:
+        """``node`` now belongs to a job: from here slurmctld's state ("in use by job J") keeps it
+        from other migrations, and once that job ends the node is a spare again. Without this the
+        pool would hold it as taken for as long as it never saw the node in use."""
+        with self._lock:
+            self._taken.discard(node)

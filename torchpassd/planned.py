@@ -167,6 +167,11 @@ class Flow:
         nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
         return target, nodes[target].addr or target
 
+    async def _add_spare_to_job(self, target: str) -> None:
+        """Grow the job by the spare taken for it; from then on Slurm's state guards the node."""
+        await asyncio.to_thread(self.d.resizer.add_node, int(self.plan.job), target)
+        self.d.pool.settled(target)
+
     def _adopt_template(self, tpl: WorkerTemplate) -> None:
         p = self.plan
         p.world_size, p.store_host = int(tpl.env["WORLD_SIZE"]), tpl.env["MASTER_ADDR"]
@@ -301,7 +306,7 @@ class PlannedMigration(Flow):
         p.target, p.target_addr = await self._take_spare()
         p.port = WORMHOLE_PORT_BASE + p.new_gen
         await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
-        await asyncio.to_thread(self.d.resizer.add_node, int(p.job), p.target)
+        await self._add_spare_to_job(p.target)
         await self.phase(SPARE_ADDED)
         tpl = await self._template(p.source, p.rank)
         self._adopt_template(tpl)

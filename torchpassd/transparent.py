@@ -77,7 +77,7 @@ class TransparentMigration(planned.PlannedMigration):
         p.target, p.target_addr = await self._take_spare()
         p.port = planned.WORMHOLE_PORT_BASE + p.new_gen
         await self.phase(planned.SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
-        await asyncio.to_thread(self.d.resizer.add_node, int(p.job), p.target)
+        await self._add_spare_to_job(p.target)
         await self.phase(planned.SPARE_ADDED)
         tpl = await self._template(p.source, p.rank)
         self._adopt_template(tpl)

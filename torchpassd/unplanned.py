@@ -158,7 +158,7 @@ class UnplannedRecovery(Flow):
                 p.target, p.rank, p.target_addr = seat["target"], seat["rank"], seat["target_addr"]
             p.port = WORMHOLE_PORT_BASE + p.new_gen
             await self.phase(SPARE_CHOSEN, dead=death.node, rank=seat["rank"], spare=seat["target"])
-            await asyncio.to_thread(self.d.resizer.add_node, int(p.job), seat["target"])
+            await self._add_spare_to_job(seat["target"])
             await self.phase(SPARE_ADDED, spare=seat["target"])
         donor = survivors[0]
         tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone

@@ -249,7 +249,9 @@ def test_failed_dump_leaves_the_worker_training(job_factory, reference, tmp_path
     job.wait_paused()
     victim = job.pids[VICTIM]
     # Without --tcp-close criu refuses the rank's live TCPStore connection: a real dump failure.
-    with pytest.raises(CriuFailed, match="TCP"):
+    # (criu usually names the TCP socket; on a loaded machine it may first trip over a thread of the
+    # worker's that ended during the seize. Either way the dump fails and must leave the worker as it was.)
+    with pytest.raises(CriuFailed, match=r"criu dump failed: .*\(rank=1\) - the worker was left as it was"):
         runner.dump(victim, tmp_path / "images", tcp_close=False, where={"rank": VICTIM})
     runner.resume_original(victim)
     job.reform(2)

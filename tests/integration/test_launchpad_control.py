@@ -158,18 +158,20 @@ def test_pause_reform_resume_is_bit_identical(procs: Procs, tmp_path: Path, mosq
 
 def test_a_new_process_takes_over_a_rank_bit_identically(procs: Procs, tmp_path: Path, mosquitto: Mosquitto,
                                                          torchrun_reference: TorchrunReference) -> None:
-    """The local migration flow: start a joiner for rank 1, pause, the old rank 1 saves its state to
-    a file, exits; rank 0 and the joiner re-form as generation 2 and resume."""
+    """The local migration flow: pause, start a joiner for rank 1, the old rank 1 saves its state to
+    a file, exits; rank 0 and the joiner re-form as generation 2 and resume. (torchpassd starts the
+    joiner before the pause to keep the pause short; here the pause comes first so that a joiner
+    slow to import torch on a loaded machine cannot find the short run already over.)"""
     steps, handover = 300, tmp_path / "rank1.state"
 
     async def drive() -> None:
         async with orchestrator(mosquitto) as orch:
             proc, out = start_launchpad(procs, tmp_path, mosquitto, steps, 0.02, lt.HANDOVER_SCRIPT)
             await orch.until(lambda: orch.steps() and min(orch.steps()) >= 3)
+            at, _ = await pause_somewhere_ahead(orch, 20)
             ack = await orch.command("start_joiner", {"rank": 1, "source": {"path": str(handover)}}, gen=2)
             assert ack.body["ok"], ack.body["error"]
             joiner = ack.body["result"]["pid"]
-            at, _ = await pause_somewhere_ahead(orch, 20)
             for cmd, args in (("save", {"rank": 1, "dest": {"path": str(handover)}}), ("exit", {"rank": 1}),
                               ("reform", {}), ("resume", {})):
                 ack = await orch.command(cmd, args, gen=2)

@@ -247,6 +247,9 @@ def test_job_grows_by_two_spares_in_a_row_and_runs_tasks_there(devcluster: DevCl
         resizer.add_node(job, "n3")  # not a spare: Slurm refuses, and says why
     assert refused.value.where == {"job": job, "node": "n3"}
     assert client.job(job).nodes == ("n1", "n2", "n4", "n5")
+    devcluster.run("scancel", str(job))  # the job ends: the spares it grew onto serve the next migration
+    _wait(lambda: [s.available for s in pool.list()] == [True, True], "the ended job's spares to be free", timeout=60)
+    assert pool.take(job=job + 1) == "n4"
 
 
 def test_hot_spares_inside_the_allocation(devcluster: DevCluster, torchpass_conf: str,  # noqa: F811

@@ -68,6 +68,7 @@ class FakeSlurm:
         self.port = port
         self.added: list[str] = []
         self.released: list[str] = []
+        self.settled_nodes: list[str] = []
         self.client = self
         self.listeners: list[socket.socket] = []
 
@@ -83,6 +84,9 @@ class FakeSlurm:
 
     def give_back(self, node: str) -> None:
         self.free.append(node)
+
+    def settled(self, node: str) -> None:
+        self.settled_nodes.append(node)
 
     def list(self, snap: Any = None) -> list[Spare]:
         return [Spare(n, True, "", "idle") for n in self.free]
@@ -205,6 +209,7 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     assert all(c[1] == "recover" for c in cmds[:first_reform])
     assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
     assert w.slurm.added == ["n5"] and w.slurm.released == ["n3"]
+    assert w.slurm.settled_nodes == ["n5"]  # in the job now: Slurm guards it, the pool forgets its mark
     mig = w.journal.history()[0]
     assert mig.mode == MODE and mig.status == jn.SUCCEEDED and mig.target == "n5"
     phases = [p.phase for p in mig.phases]

@@ -41,13 +41,14 @@ def setup():
 
 
 def test_hello_and_a_step_report_per_optimizer_step(setup):
-    _, launchpad, opt = setup
+    agent, launchpad, opt = setup
     assert launchpad.recv()["t"] == ac.HELLO
     before = steps.current()
     opt.step()
+    agent.save_fn = lambda: {}  # what torchpass.register(save=...) sets: a model-aware move becomes possible
     opt.step()
-    assert [launchpad.recv(), launchpad.recv()] == [{"t": "step", "step": before + 1},
-                                                    {"t": "step", "step": before + 2}]
+    assert [launchpad.recv(), launchpad.recv()] == [{"t": "step", "step": before + 1, "registered": False},
+                                                    {"t": "step", "step": before + 2, "registered": True}]
 
 
 def test_parks_after_the_chosen_step_until_resume(setup):
@@ -84,7 +85,7 @@ def test_a_pause_for_a_step_already_done_is_answered_pause_missed(setup):
     launchpad.recv()  # hello
     opt.step()
     done = steps.current()
-    assert launchpad.recv() == {"t": "step", "step": done}
+    assert launchpad.recv() == {"t": "step", "step": done, "registered": False}
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=done - 1))
     wait_for_command(agent)
     opt.step()  # commands are acted on at the next boundary
