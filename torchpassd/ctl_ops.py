@@ -117,8 +117,15 @@ def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> N
 @click.pass_context
 def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: float, timeout: float,
           as_json: bool) -> None:
-    """Validate the installation: run the example job, drain one of its nodes, check the job went
-    on from the next step with nothing lost, bit-identical to a run without a failure."""
+    """Validate the installation: run the example job, make one of its nodes fail, and check the
+    job went on with nothing lost, bit-identical to a run without a failure.
+
+    \b
+    planned-aware        drain a node; its rank's registered state moves to a spare
+    planned-transparent  drain a node under a script with no TorchPass code; criu moves the process
+    gpu-degrade          replayed GPU telemetry (ECC, then XID 79) makes torchpassd drain a node
+    unplanned            kill -9 a node; its rank is rebuilt from a replica, the step replayed
+    unplanned-cut        cut a node's network instead of killing it"""
     cfg = _config(ctx)
     settings = drillmod.DrillSettings(nodes=nodes, steps=steps, step_sleep=step_sleep, timeout=timeout)
     try:
