@@ -45,9 +45,11 @@ dist.destroy_process_group()
 
 def _run(argv: list[str], env: dict[str, str]) -> float:
     res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    if res.returncode != 0:
+    line = next((ln for ln in reversed(res.stdout.splitlines()) if '"step_s"' in ln), None)
+    # A worker that aborts in gloo's teardown after rank 0 printed its timing (SIGABRT, ~2% of runs on
+    # torch 2.13, under torchrun as under launchpad) leaves the measurement whole: keep it.
+    if line is None or (res.returncode != 0 and "SIGABRT" not in res.stderr):
         raise RuntimeError(f"benchmark run failed ({res.returncode}): {' '.join(argv)}\n{res.stderr[-2000:]}")
-    line = next(ln for ln in reversed(res.stdout.splitlines()) if '"step_s"' in ln)
     return float(json.loads(line[line.index("{"):])["step_s"])
 
 

@@ -24,6 +24,11 @@ from torchpass_common.errors import TorchPassError, WorkerError
 from torchpass_common.timeouts import Timeouts
 
 _GONE = {"t": "_agent_gone"}  # queued by the reader thread when launchpad closes the socket
+# Step reports are thinned to one per this many seconds: launchpad then wakes at most ~100 times a
+# second per worker however short the steps (each wake-up is CPU taken from training on a busy
+# node). A slower step is reported every time; a pending command or a newly registered save()
+# is reported at once. The step a worker parks or answers at always travels with its reply.
+REPORT_EVERY_S = 0.01
 
 
 class Agent:
@@ -44,6 +49,7 @@ class Agent:
         self._gone = False
         self._log = log.get(rank=rank)
         self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
+        self._reported: tuple[float, bool] = (-REPORT_EVERY_S, False)  # (when, registered) of the last report
         self.recovering = False  # from an interruption until the resume: an exit then is a failure
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -77,7 +83,11 @@ class Agent:
             self._agent_gone()
 
     def _on_boundary(self, step: int) -> None:
-        self._send({"t": ac.STEP, "step": step, "registered": self.save_fn is not None})  # aware move possible
+        now, registered = time.monotonic(), self.save_fn is not None  # registered: a model-aware move is possible
+        last_at, last_registered = self._reported
+        if self._wake or registered != last_registered or now - last_at >= REPORT_EVERY_S:
+            self._reported = (now, registered)
+            self._send({"t": ac.STEP, "step": step, "registered": registered})
         if self._wake:
             self._serve_running(step)
 

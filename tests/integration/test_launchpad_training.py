@@ -131,6 +131,15 @@ def results(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def _only_teardown_abort(res: subprocess.CompletedProcess, out: Path, world: int) -> bool:
+    """True when plain torchrun failed only because a worker died of SIGABRT after it had written
+    its results and said so ("terminate called without an active exception" in gloo's
+    destroy_process_group, seen ~2% of runs on torch 2.13, with or without TorchPass)."""
+    finished = all(f"rank {r} finished" in res.stdout for r in range(world))
+    written = all((out / f"rank{r}.json").exists() for r in range(world))
+    return finished and written and "SIGABRT" in res.stderr
+
+
 class TorchrunReference:
     """Losses and parameters of TRAIN_SCRIPT under real torchrun (one node x ``world`` workers),
     computed once per (world, steps) for the whole test session."""
@@ -146,7 +155,11 @@ class TorchrunReference:
             out.mkdir()
             res = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={world}", str(self.script), str(out),
                                   str(steps)], capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
-            assert res.returncode == 0, res.stderr[-3000:]
+            if res.returncode != 0 and _only_teardown_abort(res, out, world):
+                print(f"torchrun reference w{world}s{steps}: every rank wrote its results, then a worker aborted "
+                      "in torch's gloo teardown (SIGABRT, a ~2% torch 2.13 flake); results kept")
+            else:
+                assert res.returncode == 0, res.stderr[-3000:]
             self._cache[world, steps] = results(out, world)
         return self._cache[world, steps]
 

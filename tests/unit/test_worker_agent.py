@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchpass import steps
-from torchpass.agent import Agent
+from torchpass.agent import REPORT_EVERY_S, Agent
 from torchpass_common import agent_channel as ac
 
 
@@ -40,15 +40,26 @@ def setup():
     launchpad.close()
 
 
-def test_hello_and_a_step_report_per_optimizer_step(setup):
+def test_hello_and_step_reports_thinned_for_fast_steps(setup):
     agent, launchpad, opt = setup
     assert launchpad.recv()["t"] == ac.HELLO
     before = steps.current()
     opt.step()
     agent.save_fn = lambda: {}  # what torchpass.register(save=...) sets: a model-aware move becomes possible
-    opt.step()
+    opt.step()  # reported at once although it follows closely: launchpad must learn of register()
     assert [launchpad.recv(), launchpad.recv()] == [{"t": "step", "step": before + 1, "registered": False},
                                                     {"t": "step", "step": before + 2, "registered": True}]
+    t0 = time.monotonic()
+    for _ in range(200):  # sub-millisecond steps
+        opt.step()
+    fast = time.monotonic() - t0
+    time.sleep(REPORT_EVERY_S)
+    opt.step()  # after a pause longer than the interval: reported
+    reports = []
+    while not reports or reports[-1]["step"] != before + 203:
+        reports.append(launchpad.recv())
+    assert len(reports) <= 2 + fast / REPORT_EVERY_S, "fast steps must not each wake launchpad"
+    assert [r["step"] for r in reports] == sorted(r["step"] for r in reports)
 
 
 def test_parks_after_the_chosen_step_until_resume(setup):
