@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -154,15 +155,12 @@ class TorchPassGroup(dist.ProcessGroup):
             fut = work.get_future()
         except RuntimeError:  # some works (send/recv) have no future
             return work
-        fut.add_done_callback(functools.partial(self._on_done, self._inner))
+        # The callback holds no strong reference to any group: it may be the last thing to let go
+        # of one, and it runs (and is destroyed) on gloo's worker thread, where the last reference
+        # to an inner ProcessGroupGloo would make its destructor join that very thread (EDEADLK,
+        # std::terminate: a worker that released its group right after a step died this way).
+        fut.add_done_callback(functools.partial(_note_failure, weakref.ref(self), self.gen))
         return work
-
-    def _on_done(self, inner: Any, fut: Any) -> None:
-        try:
-            fut.value()
-        except Exception as exc:
-            if inner is self._inner and self.failure is None:
-                self.failure = exc
 
     @contextmanager
     def answering_broadcasts(self, replies: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -222,6 +220,17 @@ _LOCAL = {
     "all_gather_single": TorchPassGroup._local_all_gather_single,
     "barrier": TorchPassGroup._local_barrier,
 }
+
+
+def _note_failure(group_ref: weakref.ref[TorchPassGroup], gen: int, fut: Any) -> None:
+    """Done-callback of a watched collective: note its error in the group, if the group still runs
+    the generation the collective belonged to (not released, abandoned or re-formed since)."""
+    try:
+        fut.value()
+    except Exception as exc:
+        group = group_ref()
+        if group is not None and group.gen == gen and not group.local and group.failure is None:
+            group.failure = exc
 
 
 def _forwarder(name: str) -> Any:

@@ -26,14 +26,6 @@ STEPS = 200
 STEP_SLEEP = 0.15  # slow enough that a migration (joiner start-up included) fits in the run
 
 
-@pytest.fixture
-def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
-    d = e2e_dir / request.node.name
-    d.mkdir(mode=0o755, exist_ok=True)
-    (d / "train.log").unlink(missing_ok=True)
-    return d
-
-
 def repair_killed_spare(devcluster: DevCluster, node: str) -> None:
     """Bring a killed node back. Slurm 22.05 can keep a node that died inside a resized job
     allocated or completing without any job once its slurmd returns; down, resume and a

@@ -117,3 +117,54 @@ def test_a_local_group_answers_ddp_construction_collectives_alone():
         pass
     with pytest.raises(WorkerError, match="before torchpass.register"):
         pg.allreduce([t])
+
+
+
+_RELEASE_RIGHT_AFTER_A_STEP = '''
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torchpass.group import TorchPassGroup
+
+rank, port, cycles = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+pg = TorchPassGroup("gloo", dist.PrefixStore("gen1/", store), rank, 2, timedelta(seconds=60), local=False)
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)), process_group=pg)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(32, 64), torch.randn(32, 8)
+for gen in range(2, 2 + cycles):
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pg.release()  # what a worker does right after its step before criu moves it
+    pg.reconfigure(gen, rank, 2, store, f"gen{gen}/")
+print("cycles done", flush=True)
+os._exit(0)
+'''
+
+
+def test_releasing_right_after_a_step_never_kills_the_worker(tmp_path) -> None:
+    """The watched collective's done-callback runs, and is destroyed, on gloo's own thread; when it
+    held the inner group, dropping the group right after a DDP step made the group's destructor
+    join that very thread: std::terminate (EDEADLK) within a few dozen cycles. Two workers must
+    survive many release/re-form cycles."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "cycles.py"
+    script.write_text(_RELEASE_RIGHT_AFTER_A_STEP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), "120"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and out.strip() == "cycles done", f"rank {rank}: rc {p.returncode}: {err[-1500:]}"
