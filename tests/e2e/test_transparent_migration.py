@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import test_planned_migration as planned_e2e
 from tests.e2e.conftest import Daemon, Training, assert_bit_identical
 from tests.support.devcluster import DevCluster
 from torchpassd import drill_transparent
@@ -24,7 +23,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.criu, pytest.mark
 STEPS = 120
 STEP_SLEEP = 0.2  # the job must outlast the spare's launchpad start-up, the pause and the move
 SCRIPT = drill_transparent.SCRIPT
-workdir = planned_e2e.workdir  # the fixture: one directory per test
 
 
 @pytest.fixture(autouse=True)
