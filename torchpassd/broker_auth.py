@@ -15,6 +15,7 @@ import os
 import pwd
 import secrets
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -167,6 +168,15 @@ class BrokerAdmin:
                           {"command": "deleteRole", "rolename": name}], tolerate=("not found",))
         self.log.info("broker.job_credentials_removed", job=job, username=name)
 
+    async def sweep(self, running: Callable[[str], Awaitable[bool]]) -> list[str]:
+        """Remove the accounts of jobs that are no longer ``running`` (they ended while torchpassd
+        was down, so no JobEnded removed them); returns those jobs."""
+        jobs = [c[len(JOB_PREFIX):] for c in await self.list_clients() if c.startswith(JOB_PREFIX)]
+        gone = [job for job in jobs if not await running(job)]
+        for job in gone:
+            await self.remove_job(job)
+        return gone
+
     async def list_clients(self) -> list[str]:
         reply = await self._call([{"command": "listClients", "verbose": False, "count": -1, "offset": 0}])
         return list(reply[0].get("data", {}).get("clients", []))
@@ -221,7 +231,22 @@ class JobAccounts:
 
     async def __aenter__(self) -> Self:
         await self.server.__aenter__()
+        task = asyncio.create_task(self._sweep())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return self
+
+    async def _sweep(self) -> None:
+        async def running(job: str) -> bool:  # a Slurm error stops the sweep: nothing removed on a guess
+            if not job.isdigit():
+                return True  # not an account this code made
+            rec = await asyncio.to_thread(self.slurm.job, int(job))
+            return rec is not None and rec.active
+        try:
+            if gone := await self.admin.sweep(running):
+                self.log.info("broker.stale_accounts_removed", jobs=gone)
+        except TorchPassError as exc:
+            self.log.error("broker.sweep_failed", error=str(exc))
 
     async def __aexit__(self, *exc: object) -> None:
         await self.server.__aexit__(*exc)

@@ -120,6 +120,29 @@ async def test_ended_job_account_is_removed_and_kicked(secure_mosquitto: Mosquit
 
 
 @sync
+async def test_accounts_of_jobs_that_ended_meanwhile_are_swept(secure_mosquitto: Mosquitto, tmp_path: Path) -> None:
+    """A torchpassd that was down when jobs ended removes their accounts when it starts again (it
+    asks Slurm about every job account the broker holds); running jobs' accounts stay usable."""
+    admin = BrokerAdmin(secure_mosquitto.config(), tmp_path / "secret")
+    for job in ("31", "32", "33"):
+        await admin.ensure_job(job)
+
+    async def running(job: str) -> bool:
+        return job == "32"
+    assert sorted(await admin.sweep(running)) == ["31", "33"]
+    clients = await admin.list_clients()
+    assert "tp-job-32" in clients and "tp-job-31" not in clients and "tp-job-33" not in clients
+    async with _client(secure_mosquitto, (admin.username("32"), admin.password("32"))):
+        pass  # the running job's launchpads still get in
+
+    async def slurm_unreachable(job: str) -> bool:
+        raise BrokerAuthError("stand-in for a Slurm error")
+    with pytest.raises(BrokerAuthError):
+        await admin.sweep(slurm_unreachable)
+    assert "tp-job-32" in await admin.list_clients(), "nothing is removed when Slurm cannot say"
+
+
+@sync
 async def test_admin_calls_fail_clearly_without_the_plugin(mosquitto: Mosquitto, tmp_path: Path) -> None:
     cfg = dataclasses.replace(mosquitto.config(), username="torchpassd", password_file=str(tmp_path / "pw"))
     (tmp_path / "pw").write_text("x\n")
