@@ -114,10 +114,11 @@ def test_commands_other_than_pause_and_exit_are_refused_while_running(setup):
 
 
 def test_a_parked_rank_asked_to_pause_later_trains_on_and_parks_there(setup):
-    _, launchpad, opt = setup
+    agent, launchpad, opt = setup
     launchpad.recv()  # hello
     first = steps.current() + 1
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=first))
+    wait_for_command(agent)  # else a busy machine may run the first step before the pause arrives
     trainer = threading.Thread(target=lambda: [opt.step() for _ in range(4)])
     trainer.start()
     assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": first}
