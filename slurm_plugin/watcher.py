@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 from slurm_plugin import events as ev
 from slurm_plugin.client import SlurmClient
@@ -53,14 +53,16 @@ def _job_events(old: dict[int, Job], new: dict[int, Job], all_new: dict[int, Job
     return out
 
 
-def diff(old: Snapshot | None, new: Snapshot, spare_reservation: str) -> list[ev.SlurmEvent]:
-    """Events for what changed from ``old`` to ``new`` (``old`` None: the first poll)."""
+def diff(old: Snapshot | None, new: Snapshot, spare_reservation: str,
+         left: Mapping[str, Iterable[int]] | None = None) -> list[ev.SlurmEvent]:
+    """Events for what changed from ``old`` to ``new`` (``old`` None: the first poll). ``left``:
+    nodes that left TorchPass jobs unhealthy, still watched, with the jobs they left."""
     at = new.taken_at
     old_jobs = old.torchpass_jobs() if old else {}
     new_jobs = new.torchpass_jobs()
     out = _job_events(old_jobs, new_jobs, new.jobs, at)
 
-    jobs_on: dict[str, set[int]] = {}
+    jobs_on: dict[str, set[int]] = {n: set(jobs) for n, jobs in (left or {}).items()}
     for jobs in (old_jobs, new_jobs):
         for job in jobs.values():
             for n in job.nodes:
@@ -94,6 +96,11 @@ class Watcher:
         self.interval = interval
         self.spare_reservation = spare_reservation
         self.last: Snapshot | None = None
+        # Nodes taken out of a running TorchPass job while unhealthy, and those jobs: watched until
+        # healthy again. (Slurm drops a failing node from a --no-kill job as it turns it DOWN; the
+        # commands backend reads jobs and nodes one after the other, so a snapshot can show the node
+        # gone from the job before it shows it down: without this, that NodeDown was never seen.)
+        self.left: dict[str, set[int]] = {}
         self.log = log.get(backend=client.name)
 
     @property
@@ -104,11 +111,23 @@ class Watcher:
     def poll(self) -> list[ev.SlurmEvent]:
         """Take one snapshot and return the events since the previous one (raises SlurmError)."""
         snap = self.client.snapshot()
-        found = diff(self.last, snap, self.spare_reservation)
+        found = diff(self.last, snap, self.spare_reservation, self.left)
+        self._track_left(found, snap)
         self.last = snap
         for e in found:
             self.log.info("slurm.event", kind=type(e).__name__, **_fields(e))
         return found
+
+    def _track_left(self, found: list[ev.SlurmEvent], snap: Snapshot) -> None:
+        for e in found:
+            if isinstance(e, ev.JobResized):
+                for n in e.removed:
+                    self.left.setdefault(n, set()).add(e.job)
+        in_jobs = {n for job in snap.torchpass_jobs().values() for n in job.nodes}
+        for n in list(self.left):
+            node = snap.nodes.get(n)
+            if n in in_jobs or node is None or node.healthy:
+                del self.left[n]
 
     async def events(self) -> AsyncIterator[ev.SlurmEvent]:
         """Poll forever (in a worker thread) and yield each event; failed polls are retried."""

@@ -94,3 +94,36 @@ def test_failed_flag_and_unknown_nodes() -> None:
     assert kinds(diff(base, failed, RESV)) == ["NodeFailed"]
     vanished = snap({"n1": BUSY, "n5": SPARE}, [j])  # a node slurmctld no longer lists is skipped
     assert diff(base, vanished, RESV) == []
+
+
+class ScriptedClient:
+    """A SlurmClient that returns the given snapshots in turn (only what Watcher.poll calls)."""
+
+    name = "scripted"
+
+    def __init__(self, snaps: list[Snapshot]) -> None:
+        self.snaps = snaps
+
+    def snapshot(self) -> Snapshot:
+        return self.snaps.pop(0)
+
+
+def test_a_node_seen_leaving_the_job_before_it_is_seen_down_still_reports_down() -> None:
+    """The commands backend reads jobs and nodes one after the other: one snapshot can show the
+    failing node already out of the --no-kill job but not yet DOWN, the next one DOWN."""
+    from slurm_plugin.watcher import Watcher
+
+    unresponsive = ("mixed", {"NOT_RESPONDING"})
+    w = Watcher(ScriptedClient([
+        snap({"n1": BUSY, "n2": BUSY, "n5": SPARE}, [job(7, ("n1", "n2"))], at=1),
+        snap({"n1": BUSY, "n2": unresponsive, "n5": SPARE}, [job(7, ("n1",))], at=2),
+        snap({"n1": BUSY, "n2": ("down", {"NOT_RESPONDING"}), "n5": SPARE}, [job(7, ("n1",))], at=3),
+        snap({"n1": BUSY, "n2": IDLE, "n5": SPARE}, [job(7, ("n1",))], at=4),
+        snap({"n1": BUSY, "n2": ("down", set()), "n5": SPARE}, [job(7, ("n1",))], at=5),
+    ]), spare_reservation=RESV)
+    assert kinds(w.poll()) == ["JobStarted", "SpareAdded"]
+    assert kinds(w.poll()) == ["JobResized", "NodeNotResponding"]
+    down = w.poll()
+    assert kinds(down) == ["NodeDown"] and down[0].jobs == (7,)
+    assert kinds(w.poll()) == ["NodeReturned"]  # healthy again: no longer watched for job 7
+    assert w.poll() == []
