@@ -23,6 +23,10 @@ from torchpass_common.errors import SlurmError
 
 _GRANTED = re.compile(r"Granted job allocation (\d+)")
 SETTLE_TIMEOUT = 10.0  # seconds for slurmctld to show a resize it has acknowledged
+# A node released from a job revokes the job's credential on that node's slurmd; a step of the same
+# job launched there within the same second carries a credential no newer than the revocation and is
+# refused ("Job credential revoked"). A node that comes back to the job it left waits this long.
+REJOIN_GUARD_S = 2.0
 
 
 class JobResizer:
@@ -33,6 +37,7 @@ class JobResizer:
         self.runner = runner
         self.client = client
         self.spare_reservation = spare_reservation
+        self._released: dict[tuple[int, str], float] = {}  # (job, node) -> when it left the job (monotonic)
 
     def _job(self, job_id: int) -> Job:
         job = self.client.job(job_id)
@@ -147,6 +152,9 @@ class JobResizer:
             self.runner.run(["scontrol", "update", f"jobid={job_id}", f"NodeList={hostlist.compress(keep)}"],
                             cwd=cwd, job=job_id, node=node)
         job = self._settle(job_id, f"releasing {node}", lambda j: node not in j.nodes)
+        now = time.monotonic()
+        self._released = {k: t for k, t in self._released.items() if now - t < REJOIN_GUARD_S}
+        self._released[(job_id, node)] = now
         log.get(job=job_id).info("slurm.node_released", node=node, nodes=hostlist.compress(job.nodes))
         return job
 
@@ -159,6 +167,10 @@ class JobResizer:
         if node not in job.nodes:
             raise SlurmError(f"{node} is not part of job {job_id} ({hostlist.compress(job.nodes)})",
                              job=job_id, node=node, hint="add it first (JobResizer.add_node)")
+        left = self._released.pop((job_id, node), None)
+        if left is not None and (wait := left + REJOIN_GUARD_S - time.monotonic()) > 0:
+            log.get(job=job_id).info("slurm.rejoin_wait", node=node, seconds=round(wait, 2))
+            time.sleep(wait)
         cmd = ["srun", f"--jobid={job_id}", "-w", node, "-N1", "-n1", "--no-kill", "--overlap",
                f"--torchpass={mode}", "--", *argv]
         log.get(job=job_id).info("slurm.step_start", node=node, argv=list(argv))
