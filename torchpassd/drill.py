@@ -72,9 +72,11 @@ class DrillSettings:
 
 
 def read_log(path: Path) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
-    """The example script's ``--log``: (rank, step, loss hex) in file order, and final hashes."""
+    """The example script's ``--log``: (rank, step, loss hex) in file order, and final hashes. A last
+    line without its newline is still being written by a rank: it is left for the next read."""
     steps, finals = [], {}
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    for line in text[:text.rfind("\n") + 1].splitlines():
         rec = json.loads(line)
         if "final" in rec:
             finals[rec["rank"]] = rec["final"]
