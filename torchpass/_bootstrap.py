@@ -6,6 +6,8 @@ and once recovered runs the script again in this process (its register() loads t
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import runpy
 import sys
@@ -29,13 +31,30 @@ def main(argv: list[str]) -> None:
             if module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                runpy.run_path(target, run_name="__main__")  # its globals are dropped on return
             return
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            return  # sys.exit(0) at the end of a script: finished like a return
         except BaseException as exc:
             if not runtime.interrupted(exc):
                 raise
             runtime.recover(exc)  # returns once recovered: run the script again, in joining mode
 
 
+def finish() -> None:
+    """The script returned: close what it left open, run its atexit handlers, flush, and leave
+    without the interpreter's teardown. In that teardown torch 2.13's gloo objects sometimes abort
+    the process (SIGABRT, a few % of runs, after training finished, also under plain torchrun); a
+    worker that finished must not fail the job."""
+    gc.collect()  # the script's globals are gone: files it left open are flushed and closed here
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish()

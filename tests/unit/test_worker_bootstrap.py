@@ -60,3 +60,40 @@ def test_module_runs_as_main_like_python_dash_m(tmp_path):
     got = run_bootstrap(["-m", "trainpkg.main", "--epochs", "3"], cwd=tmp_path)
     assert got["argv"] == [str(tmp_path / "trainpkg" / "main.py"), "--epochs", "3"]
     assert got["name"] == "__main__"
+
+
+LEAVES_THINGS_OPEN = """
+import atexit, sys
+log = open(sys.argv[1], "w")  # never closed, block-buffered: only the interpreter's exit would flush it
+log.write("trained\\n" * 1000)
+atexit.register(lambda: open(sys.argv[2], "w").write("atexit ran\\n"))
+print("done")
+"""
+
+
+def test_a_finished_script_leaves_without_the_interpreter_teardown_and_loses_nothing(tmp_path: Path) -> None:
+    """The bootstrap ends a worker whose script returned with os._exit(0) (torch's gloo objects can
+    abort the process in the interpreter's teardown), after what that teardown would have done for
+    the script: its unclosed files flushed, its atexit handlers run, its output flushed."""
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_THINGS_OPEN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-m", "torchpass._bootstrap", str(script), str(tmp_path / "log"),
+                          str(tmp_path / "atexit")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout == "done\n", res.stderr
+    assert (tmp_path / "log").read_text() == "trained\n" * 1000
+    assert (tmp_path / "atexit").read_text() == "atexit ran\n"
+
+
+def test_a_script_ending_with_sys_exit_keeps_its_exit_code(tmp_path: Path) -> None:
+    """sys.exit(0) finishes like a return (without the teardown); any other code is the worker's code."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
+    env["PYTHONPATH"] = str(ROOT)
+    for code in (0, 3):
+        script = tmp_path / f"exits{code}.py"
+        script.write_text(f"import sys\nprint('bye')\nsys.exit({code})\n")
+        res = subprocess.run([sys.executable, "-m", "torchpass._bootstrap", str(script)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert (res.returncode, res.stdout) == (code, "bye\n"), res.stderr
