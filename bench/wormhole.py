@@ -4,7 +4,9 @@ plain sendall / recv_into of a pre-touched bytearray versus ``send_state`` of a 
 streams. Endpoints are two child processes, on loopback or (``--devcluster``) in nodes n1 and n2.
 ``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}, and
 the CPU seconds per GB both endpoints spent (on a shared, busy VM the throughput of a CPU-bound
-loopback follows the CPU cost, so ``cpu_ratio`` = raw CPU / wormhole CPU is the steadier figure)."""
+loopback follows the CPU cost, so ``cpu_ratio`` = raw CPU / wormhole CPU is the steadier figure).
+``--devcluster --link-gbit R`` limits the receiving node's link to R Gbit/s (``devcluster shape``)
+for the run, so both are bound by a link, as between two trays, not by this machine's CPUs."""
 
 from __future__ import annotations
 
@@ -194,6 +196,11 @@ def _endpoints(devcluster: bool) -> tuple[str | None, str | None, str]:
     return "n1", "n2", nodes["n2"]
 
 
+def _shape(node: str, gbit: float) -> None:
+    subprocess.run([str(DEVCLUSTER), "shape", node, str(gbit)], capture_output=True, text=True, check=True,
+                   timeout=60)
+
+
 def main(argv: list[str]) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench wormhole")
     p.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
@@ -202,43 +209,67 @@ def main(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--chunk-mib", type=int, default=8, help="wormhole chunk size in MiB (default 8)")
     p.add_argument("--extra", action="store_true", help="also measure staged-template and no-template receives")
     p.add_argument("--devcluster", action="store_true", help="sender in node n1, receiver in n2 (dev cluster up)")
+    p.add_argument("--link-gbit", type=float, default=0.0,
+                   help="with --devcluster: limit n2's link to this many Gbit/s for the run (default: unlimited)")
     args = p.parse_args(argv)
+    if args.link_gbit and not args.devcluster:
+        p.error("--link-gbit needs --devcluster (it shapes a dev cluster node's link)")
     args.bytes, args.chunk = int(args.gib * (1 << 30)), args.chunk_mib << 20
-    send_node, recv_node, host = _endpoints(args.devcluster)
-    token = secrets.token_bytes(32)
-    rx = _Peer("receiver", recv_node, host, args, token)
-    tx = _Peer("sender", send_node, host, args, token)
-    kinds = ["raw", "inplace"] + (["staged", "fresh"] if args.extra else [])
     result: dict[str, Any] = {"endpoints": "devcluster n1->n2" if args.devcluster else "loopback",
-                              "chunk_mib": args.chunk_mib}
+                              "chunk_mib": args.chunk_mib, "link_gbit": args.link_gbit or None}
+    if args.link_gbit:
+        _shape("n2", args.link_gbit)
     try:
-        hello = tx.read()
-        total = result["bytes"] = hello["bytes"]
-        result["checksum_gbps"] = hello["checksum_gbps"]
-        for streams in [int(s) for s in args.streams.split(",")]:
-            times: dict[str, list[float]] = {kind: [] for kind in kinds}
-            cpus: dict[str, list[float]] = {kind: [] for kind in kinds}
-            for _ in range(args.reps):  # interleaved, so load from other processes hits all kinds alike
-                for kind in kinds:
-                    rx.send(f"{kind} {streams}")
-                    port = rx.read()["port"]
-                    tx.send(f"{kind} {streams} {port}")
-                    sent = tx.read()
-                    times[kind].append(sent["seconds"])
-                    cpus[kind].append(sent["cpu"] + rx.read()["cpu"])
-            for kind in kinds:
-                result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times[kind]) / 1e9, 3)
-                result[f"{kind}_s{streams}_cpu_s_per_gb"] = round(statistics.median(cpus[kind]) / total * 1e9, 3)
-            result[f"ratio_s{streams}"] = round(result[f"inplace_s{streams}_gbps"] / result[f"raw_s{streams}_gbps"], 3)
-            result[f"cpu_ratio_s{streams}"] = round(result[f"raw_s{streams}_cpu_s_per_gb"]
-                                                    / result[f"inplace_s{streams}_cpu_s_per_gb"], 3)
+        _measure(args, result)
     finally:
-        tx.close()
-        rx.close()
+        if args.link_gbit:
+            _shape("n2", 0)
     top = max(int(s) for s in args.streams.split(","))
     result["ratio"] = result[f"ratio_s{top}"]
     result["cpu_ratio"] = result[f"cpu_ratio_s{top}"]
     return result
+
+
+def _measure(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Raw and wormhole transfers, interleaved, for each stream count: throughput and CPU into ``result``."""
+    send_node, recv_node, host = _endpoints(args.devcluster)
+    token = secrets.token_bytes(32)
+    kinds = ["raw", "inplace"] + (["staged", "fresh"] if args.extra else [])
+    rx = _Peer("receiver", recv_node, host, args, token)
+    try:
+        tx = _Peer("sender", send_node, host, args, token)
+        try:
+            total = _interleaved(args, rx, tx, kinds, result)
+        finally:
+            tx.close()
+    finally:
+        rx.close()
+    for streams in [int(s) for s in args.streams.split(",")]:
+        result[f"ratio_s{streams}"] = round(result[f"inplace_s{streams}_gbps"] / result[f"raw_s{streams}_gbps"], 3)
+        result[f"cpu_ratio_s{streams}"] = round(result[f"raw_s{streams}_cpu_s_per_gb"]
+                                                / result[f"inplace_s{streams}_cpu_s_per_gb"], 3)
+    result["bytes"] = total
+
+
+def _interleaved(args: argparse.Namespace, rx: _Peer, tx: _Peer, kinds: list[str], result: dict[str, Any]) -> int:
+    hello = tx.read()
+    total = hello["bytes"]
+    result["checksum_gbps"] = hello["checksum_gbps"]
+    for streams in [int(s) for s in args.streams.split(",")]:
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        cpus: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.reps):  # interleaved, so load from other processes hits all kinds alike
+            for kind in kinds:
+                rx.send(f"{kind} {streams}")
+                port = rx.read()["port"]
+                tx.send(f"{kind} {streams} {port}")
+                sent = tx.read()
+                times[kind].append(sent["seconds"])
+                cpus[kind].append(sent["cpu"] + rx.read()["cpu"])
+        for kind in kinds:
+            result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times[kind]) / 1e9, 3)
+            result[f"{kind}_s{streams}_cpu_s_per_gb"] = round(statistics.median(cpus[kind]) / total * 1e9, 3)
+    return total
 
 
 def _child(argv: list[str]) -> None:

@@ -9,10 +9,19 @@ PKGS=(
   iproute2 procps psmisc util-linux bc curl gcc make sqlite3 ca-certificates
   python3 python3-venv python3-dev systemd
 )
+# Installed where the distribution has them: the JWT auth plugin lets slurmrestd take
+# `scontrol token` JWTs over TCP (the dev cluster enables auth/jwt when the plugin is there).
+OPTIONAL=(slurm-wlm-jwt-plugin)
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+available() { apt-cache show "$1" >/dev/null 2>&1; }
 
 missing=()
 for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
+done
+for p in "${OPTIONAL[@]}"; do
+  installed "$p" || ! available "$p" || missing+=("$p")
 done
 if [ "${#missing[@]}" -eq 0 ]; then
   echo "[install-deps] all Debian packages present"
@@ -31,5 +40,8 @@ fi
 trap '[ "$policy_added" = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
+for p in "${OPTIONAL[@]}"; do  # a fresh machine's package lists are only there now
+  installed "$p" || ! available "$p" || [[ " ${missing[*]} " == *" $p "* ]] || missing+=("$p")
+done
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "[install-deps] done"

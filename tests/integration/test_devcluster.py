@@ -1,6 +1,6 @@
 """The dev cluster behaves like the multi-node Slurm cluster the rest of TorchPass is tested on:
 jobs spread over distinct hosts, drains are visible, spares are reserved, nodes can be killed,
-restarted, cut and healed, `up` is idempotent, and `down` leaves nothing behind."""
+restarted, cut and healed, their links slowed to a given rate, `up` is idempotent, and `down` leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,62 @@ def test_cut_isolates_a_node_whose_processes_keep_running_and_heal_restores_it(d
         devcluster.heal("n4")
     assert can_connect(devcluster, "n4", broker["host"], broker["port"])
     assert next(n for n in devcluster.info["nodes"] if n["name"] == "n4")["link"] == "up"
+
+
+NODE_SIDE = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+n, t0 = int(sys.argv[3]), time.monotonic()
+if sys.argv[4] == "out":
+    conn.sendall(bytes(n))
+    assert conn.recv(1) == b"k"
+else:
+    view = memoryview(bytearray(n))
+    while view:
+        view = view[conn.recv_into(view):]
+print(time.monotonic() - t0)
+"""
+
+
+def transfer_seconds(cluster: DevCluster, node: str, nbytes: int, direction: str) -> float:
+    """Seconds to move ``nbytes`` out of ``node`` (to this host) or into it, timed on the node."""
+    server = socket.create_server((cluster.info["broker"]["host"], 0))
+    server.settimeout(60)
+
+    def serve() -> None:
+        conn = server.accept()[0]
+        with conn:
+            if direction == "out":
+                view = memoryview(bytearray(nbytes))
+                while view:
+                    view = view[conn.recv_into(view):]
+                conn.sendall(b"k")
+            else:
+                conn.sendall(bytes(nbytes))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        out = cluster.exec(node, [sys.executable, "-c", NODE_SIDE, server.getsockname()[0],
+                                  str(server.getsockname()[1]), str(nbytes), direction]).stdout
+    finally:
+        thread.join(60)
+        server.close()
+    return float(out.split()[-1])
+
+
+@slurm
+def test_shape_limits_a_node_link_each_way_and_reset_lifts_it(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    devcluster.shape("n2", 0.1)  # 12.5 MB/s: 4 MB take 0.32 s, less a 1 MiB burst
+    try:
+        assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["rate"] == "100Mbit"
+        for direction in ("out", "in"):
+            assert transfer_seconds(devcluster, "n2", 4_000_000, direction) >= 0.2, direction
+        assert transfer_seconds(devcluster, "n3", 4_000_000, "in") < 0.2  # other nodes keep their speed
+    finally:
+        devcluster.reset()
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["rate"] is None
 
 
 @slurm

@@ -97,6 +97,10 @@ class DevCluster:
     def heal(self, node: str) -> None:
         self.tool("heal", node)
 
+    def shape(self, node: str, gbit: float) -> None:
+        """Limit the node's link to ``gbit`` Gbit/s each way (0: unlimited)."""
+        self.tool("shape", node, str(gbit))
+
     def reset(self) -> None:
         """No jobs, every node healed, running, resumed and idle, spare reservation restored."""
         self.tool("reset")

@@ -17,7 +17,7 @@ from . import cluster, faults, hostinfo, netns, procs
 from .errors import DevClusterError
 from .instance import DIR_ENV, ID_ENV, Instance
 
-MUTATING = {"up", "down", "reset", "kill-node", "start-node", "cut", "heal"}
+MUTATING = {"up", "down", "reset", "kill-node", "start-node", "cut", "heal", "shape"}
 USAGE_EPILOG = f"""instance: ${ID_ENV} (0-9, default 0); state in /tmp/tpdc<ID> (override ${DIR_ENV}).
 clients:  eval "$(contrib/devcluster/devcluster env)"   # exports SLURM_CONF"""
 
@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("cut", "cut the node's network (its processes keep running)"),
                        ("heal", "restore the node's network")):
         sub.add_parser(name, help=text).add_argument("node")
+    shape = sub.add_parser("shape", help="limit the node's link rate, as a real NIC would: shape NODE GBIT (0: unlimited)")
+    shape.add_argument("node")
+    shape.add_argument("gbit", type=float, help="Gbit/s each way; 0 removes the limit")
     return p
 
 
@@ -64,10 +67,10 @@ def _print_status(info: dict[str, Any]) -> None:
     res = info["spare_reservation"]
     print(f"spares     reservation {res['name']}: {', '.join(res['nodes']) or '(none)'}")
     if info["nodes"]:
-        print(f"{'NODE':<6}{'ADDRESS':<14}{'STATE':<14}{'SPARE':<7}{'LINK':<6}SLURMD")
+        print(f"{'NODE':<6}{'ADDRESS':<14}{'STATE':<14}{'SPARE':<7}{'LINK':<6}{'RATE':<10}SLURMD")
         for n in info["nodes"]:
             print(f"{n['name']:<6}{n['addr']:<14}{n['state']:<14}{'yes' if n['spare'] else '':<7}"
-                  f"{n['link']:<6}{n['slurmd_pid'] or '-'}")
+                  f"{n['link']:<6}{n['rate'] or '-':<10}{n['slurmd_pid'] or '-'}")
     daemons = ", ".join(f"{k}={v or 'DEAD'}" for k, v in info["daemons"].items() if not k.startswith("slurmd."))
     print(f"daemons    {daemons or '(none)'}")
 
@@ -129,6 +132,9 @@ def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
         cluster.down(inst, say)
     elif args.cmd == "reset":
         faults.reset(inst, say)
+    elif args.cmd == "shape":
+        inst.node_index(args.node)
+        faults.shape(inst, args.node, args.gbit, say)
     else:
         action = {"kill-node": faults.kill_node, "start-node": faults.start_node,
                   "cut": faults.cut, "heal": faults.heal}[args.cmd]

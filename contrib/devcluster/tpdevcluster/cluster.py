@@ -157,7 +157,8 @@ def status(inst: Instance) -> dict[str, Any]:
     spares = set(inst.spare_names)
     nodes = [{
         "name": n, "addr": inst.node_addr(n), "state": states.get(n, "unknown"), "spare": n in spares,
-        "link": "up" if netns.link_is_up(inst, n) else "cut", "netns": inst.netns(n),
+        "link": "up" if netns.link_is_up(inst, n) else "cut", "rate": netns.link_rate(inst, n),
+        "netns": inst.netns(n),
         "slurmd_pid": daemons_now.get(f"slurmd.{n}"),
     } for n in inst.node_names]
     reserved = slurmctl.reservation_nodes(inst) if ctld else None

@@ -1,5 +1,5 @@
 """Fault injection on a running instance: kill-node (a dying tray), start-node, cut and heal
-(a network partition), and reset, which undoes every fault and cancels all jobs so each test
+(a network partition), shape (a slower link), and reset, which undoes every fault and cancels all jobs so each test
 starts from a clean, fully usable cluster without a restart."""
 
 from __future__ import annotations
@@ -71,13 +71,25 @@ def heal(inst: Instance, node: str, say: Say) -> None:
     say(f"{node}: network healed")
 
 
+def shape(inst: Instance, node: str, gbit: float, say: Say) -> None:
+    """Limit the node's link to ``gbit`` Gbit/s each way; 0 removes the limit."""
+    require_up(inst)
+    if gbit < 0:
+        raise DevClusterError(f"link rate must be positive Gbit/s or 0 (unlimited), not {gbit}",
+                              instance=inst.id, node=node)
+    netns.set_rate(inst, node, gbit or None)
+    say(f"{node}: link limited to {gbit:g} Gbit/s each way" if gbit else f"{node}: link rate unlimited")
+
+
 def reset(inst: Instance, say: Say, timeout: float = NODES_TIMEOUT) -> None:
-    """Back to a clean, fully usable cluster without a restart: heal cut nodes, restart killed
-    slurmds, cancel every job, resume drained/down nodes, restore the spare reservation."""
+    """Back to a clean, fully usable cluster without a restart: heal cut nodes, lift rate limits,
+    restart killed slurmds, cancel every job, resume drained/down nodes, restore the spare reservation."""
     require_up(inst)
     for node in inst.node_names:
         if not netns.link_is_up(inst, node):
             heal(inst, node, say)
+        if netns.link_rate(inst, node):
+            shape(inst, node, 0, say)
     for node in inst.node_names:
         if not procs.daemon_pid(inst, f"slurmd.{node}"):
             start_node(inst, node, say)
@@ -98,4 +110,4 @@ def reset(inst: Instance, say: Say, timeout: float = NODES_TIMEOUT) -> None:
             slurmctl.resume(inst, node)
     slurmctl.ensure_reservation(inst)
     wait_nodes(inst, inst.node_names, READY_STATES, timeout)
-    say("reset: no jobs, all nodes up and idle, spare reservation restored")
+    say("reset: no jobs, all nodes up, unlimited and idle, spare reservation restored")

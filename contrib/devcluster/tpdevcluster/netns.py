@@ -1,6 +1,7 @@
 """The nodes' network: one bridge per instance (host side 10.77.<id>.1), one network namespace
-per node joined to it by a veth pair, cutting and healing a node's link, and the command prefix
-that runs a program "on" a node (its netns, its own hostname, its own /etc/hosts)."""
+per node joined to it by a veth pair, cutting and healing a node's link, limiting its rate (a
+token bucket each way, to stand for a real NIC), and the command prefix that runs a program "on"
+a node (its netns, its own hostname, its own /etc/hosts)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,32 @@ def set_link(inst: Instance, node: str, up: bool) -> None:
         # first connections after the heal fail with EHOSTUNREACH; forget them on both sides.
         ip("-n", inst.netns(node), "neigh", "flush", "dev", "eth0", check=False)
         ip("neigh", "flush", "dev", inst.bridge, "to", inst.node_addr(node), check=False)
+
+
+def _tc(*args: str, check: bool = True) -> str:
+    res = subprocess.run([tool("tc"), *args], capture_output=True, text=True, timeout=20)
+    if check and res.returncode != 0:
+        raise DevClusterError(f"`tc {' '.join(args)}` failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def set_rate(inst: Instance, node: str, gbit: float | None) -> None:
+    """Limit the node's link to ``gbit`` Gbit/s in each direction (a token bucket on the host-side
+    veth for traffic into the node, on its eth0 for traffic out); None removes the limit."""
+    ends = (("-n", inst.netns(node), "qdisc"), ("qdisc",))
+    for where, dev in zip(ends, ("eth0", inst.veth(node)), strict=True):
+        if gbit is None:
+            _tc(*where, "del", "dev", dev, "root", check=False)  # none set: nothing to remove
+            continue
+        burst = max(1 << 20, int(gbit * 1e9 / 8 / 100))  # 10 ms of traffic: the rate holds at any HZ
+        _tc(*where, "replace", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit", "burst", str(burst),
+            "latency", "50ms")
+
+
+def link_rate(inst: Instance, node: str) -> str | None:
+    """The rate limit on the node's link as tc prints it (e.g. "8Gbit"), or None when unlimited."""
+    words = _tc("qdisc", "show", "dev", inst.veth(node), check=False).split()
+    return words[words.index("rate") + 1] if "tbf" in words and "rate" in words else None
 
 
 def link_is_up(inst: Instance, node: str) -> bool:
