@@ -14,15 +14,17 @@ PKGS=(
 OPTIONAL=(slurm-wlm-jwt-plugin)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-available() { apt-cache show "$1" >/dev/null 2>&1; }
+add_optional() {  # the optional packages apt knows of and that are not installed (nor listed yet)
+  for p in "${OPTIONAL[@]}"; do
+    installed "$p" || ! apt-cache show "$p" >/dev/null 2>&1 || [[ " ${missing[*]} " == *" $p "* ]] || missing+=("$p")
+  done
+}
 
 missing=()
 for p in "${PKGS[@]}"; do
   installed "$p" || missing+=("$p")
 done
-for p in "${OPTIONAL[@]}"; do
-  installed "$p" || ! available "$p" || missing+=("$p")
-done
+add_optional
 if [ "${#missing[@]}" -eq 0 ]; then
   echo "[install-deps] all Debian packages present"
   exit 0
@@ -40,8 +42,6 @@ fi
 trap '[ "$policy_added" = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-for p in "${OPTIONAL[@]}"; do  # a fresh machine's package lists are only there now
-  installed "$p" || ! available "$p" || [[ " ${missing[*]} " == *" $p "* ]] || missing+=("$p")
-done
+add_optional  # a fresh machine's package lists are only there now
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "[install-deps] done"

@@ -32,11 +32,17 @@ print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "aft
 """
 
 
-def run_bootstrap(args: list[str], cwd: Path) -> dict:
+def bootstrap(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m torchpass._bootstrap ARGS`` without launchpad (no TORCHPASS_* variables)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-m", "torchpass._bootstrap", *args], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run([sys.executable, "-m", "torchpass._bootstrap", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def run_bootstrap(args: list[str], cwd: Path) -> dict:
+    out = bootstrap(args, cwd)
+    assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -77,11 +83,7 @@ def test_a_finished_script_leaves_without_the_interpreter_teardown_and_loses_not
     the script: its unclosed files flushed, its atexit handlers run, its output flushed."""
     script = tmp_path / "leaves.py"
     script.write_text(LEAVES_THINGS_OPEN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-m", "torchpass._bootstrap", str(script), str(tmp_path / "log"),
-                          str(tmp_path / "atexit")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = bootstrap([str(script), str(tmp_path / "log"), str(tmp_path / "atexit")], cwd=tmp_path)
     assert res.returncode == 0 and res.stdout == "done\n", res.stderr
     assert (tmp_path / "log").read_text() == "trained\n" * 1000
     assert (tmp_path / "atexit").read_text() == "atexit ran\n"
@@ -89,11 +91,8 @@ def test_a_finished_script_leaves_without_the_interpreter_teardown_and_loses_not
 
 def test_a_script_ending_with_sys_exit_keeps_its_exit_code(tmp_path: Path) -> None:
     """sys.exit(0) finishes like a return (without the teardown); any other code is the worker's code."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
-    env["PYTHONPATH"] = str(ROOT)
     for code in (0, 3):
         script = tmp_path / f"exits{code}.py"
         script.write_text(f"import sys\nprint('bye')\nsys.exit({code})\n")
-        res = subprocess.run([sys.executable, "-m", "torchpass._bootstrap", str(script)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+        res = bootstrap([str(script)], cwd=tmp_path)
         assert (res.returncode, res.stdout) == (code, "bye\n"), res.stderr
