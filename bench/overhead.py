@@ -6,7 +6,12 @@ launchpad/torchrun within a round (paired, so drift in machine load cancels); ``
 shows the round-to-round spread, which on a shared VM is wider than the 1% goal (the gloo
 connections of one run differ from another's). The default width gives ~25 ms steps here, nearer
 to real training steps than the sub-ms steps of a toy model (a fixed per-step cost is then a
-truer share). Options: --rounds N, --steps N, --nproc N, --width N (hidden size: the step time)."""
+truer share). Because that spread hides a 1% effect, one more run measures what TorchPass adds to
+a step directly: one worker under launchpad alternates steps of two identical DDP models, one on
+the TorchPass group with the step-boundary callback, one on a plain gloo group without it; the
+median of the per-pair differences is ``added_us_per_step`` (machine noise hits both halves of a
+pair alike), and ``component_ratio`` is 1 + that / torchrun's step time.
+Options: --rounds N, --steps N, --nproc N, --width N (hidden size: the step time), --pairs N."""
 
 from __future__ import annotations
 
@@ -57,6 +62,46 @@ dist.destroy_process_group()
 '''
 
 
+# One worker under launchpad: steps alternate between a DDP model on the TorchPass default group
+# (the boundary callback installed) and one on a plain gloo group (callback removed); prints the
+# median per-pair difference. argv: PAIRS WIDTH
+_COMPONENT_SCRIPT = '''
+import json, statistics, sys, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torchpass import steps
+
+pairs, width = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo")
+plain = dist.new_group(backend="gloo")
+callback = steps.boundary()
+assert type(dist.group.WORLD).__name__ == "TorchPassGroup" and callback is not None, "not under launchpad"
+torch.manual_seed(0)
+def net():
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+with_tp, without = DDP(net()), DDP(net(), process_group=plain)
+x, y = torch.randn(64, width), torch.randn(64, 1)
+def step(model, opt):
+    t0 = time.perf_counter()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - t0
+opt_tp, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (with_tp, without))
+diffs = []
+for i in range(pairs + 50):
+    steps.on_boundary(callback)
+    a = step(with_tp, opt_tp)
+    steps.on_boundary(None)
+    b = step(without, opt_plain)
+    diffs.append(a - b)
+steps.on_boundary(callback)
+print(json.dumps({"step_s": statistics.median(diffs[50:])}), flush=True)
+'''
+
+
 def _run(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     line = next((ln for ln in reversed(res.stdout.splitlines()) if '"step_s"' in ln), None)
@@ -74,6 +119,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--width", type=int, default=1024, help="hidden size (default 1024: ~25 ms steps on the dev VM)")
+    p.add_argument("--pairs", type=int, default=2000, help="step pairs of the added-cost run")
     a = p.parse_args(argv)
     env = {**os.environ, "TORCHPASS_LOG_LEVEL": "warning"}
     bindir = Path(sys.executable).parent
@@ -86,7 +132,14 @@ def main(argv: list[str]) -> dict:
         for _ in range(a.rounds):  # interleaved, so drift in machine load hits both alike
             torchrun.append(_run([str(bindir / "torchrun"), *common, *args], env))
             launchpad.append(_run([sys.executable, "-m", "launchpad", *common, *args], env))
-    return summarise(torchrun, launchpad) | {"rounds": a.rounds, "steps": a.steps, "nproc": a.nproc, "width": a.width}
+        component = Path(tmp) / "component.py"
+        component.write_text(_COMPONENT_SCRIPT)
+        added = _run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node=1", str(component),
+                      str(a.pairs), "256"], env)["step_s"]
+    res = summarise(torchrun, launchpad)
+    return res | {"added_us_per_step": round(added * 1e6, 1),
+                  "component_ratio": round(1 + added * 1e3 / res["torchrun_step_ms"], 4),
+                  "rounds": a.rounds, "steps": a.steps, "nproc": a.nproc, "width": a.width}
 
 
 def summarise(torchrun: list[dict[str, float]], launchpad: list[dict[str, float]]) -> dict:

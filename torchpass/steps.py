@@ -54,6 +54,11 @@ def restore(count: int) -> None:
     _count = count
 
 
+def boundary() -> Callable[[int], None] | None:
+    """The callback on_boundary() installed, if any."""
+    return _boundary
+
+
 def on_boundary(callback: Callable[[int], None] | None) -> None:
     """Call ``callback(step)`` after every completed step (None removes it)."""
     global _boundary
