@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from torchpass import steps
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
 BACKEND_NAME = "torchpass"
+MAX_WATCHED = 4096  # works kept per step for failed(); a step issuing more keeps its latest
 
 # Every collective a c10d ProcessGroup exposes (Python API names, which are also the names the
 # C++ trampoline calls for DDP's reducer); each is forwarded unchanged to the inner group.
@@ -87,7 +87,9 @@ class TorchPassGroup(dist.ProcessGroup):
         self.backend = backend
         self.timeout = timeout
         self.gen = 0
-        self.failure: BaseException | None = None  # the first failed collective of this generation
+        self.failure: BaseException | None = None  # the failed collective failed() found, this generation
+        self._watched: collections.deque[Any] = collections.deque(maxlen=MAX_WATCHED)
+        self._watched_step = -1
         self._inner: dist.ProcessGroup | None = None
         self._replies: collections.deque[torch.Tensor] = collections.deque()
         if not local:
@@ -114,7 +116,8 @@ class TorchPassGroup(dist.ProcessGroup):
                 hint="give the replacement process the leaving rank's number", rank=self.rank(), gen=gen)
         new = build_inner(self.backend, dist.PrefixStore(prefix, store), rank, world_size, self.timeout,
                           f"torchpass_gen{gen}")
-        old, self._inner, self.gen, self.failure = self._inner, new, gen, None
+        old, self._inner, self.gen = self._inner, new, gen
+        self._forget_works()
         if old is not None:
             # Join the old backend's threads with the GIL released (shutdown() drops it) before the
             # last reference goes; a destructor that joins them under the GIL can deadlock.
@@ -131,6 +134,7 @@ class TorchPassGroup(dist.ProcessGroup):
         gloo's listening socket open): what a worker does before criu moves it. Until the next
         reconfigure the group is local; call it only while parked."""
         inner, self._inner = self._inner, None
+        self._forget_works()
         if inner is not None:
             inner.shutdown()
 
@@ -143,24 +147,47 @@ class TorchPassGroup(dist.ProcessGroup):
         so peers still waiting on this rank fail at once instead of at their timeout) and drop it;
         the group is local until the next reconfigure."""
         inner, self._inner = self._inner, None
+        self._watched.clear()  # the failure itself is kept: the interruption reports it
         if inner is not None:
             with contextlib.suppress(RuntimeError):
                 inner.abort()
             inner.shutdown()
 
     def watch(self, work: Any) -> Any:
-        """Return ``work``, noting in ``failure`` if it completes with an error (a peer lost or
-        frozen past the timeout): how the bootstrap tells an interruption from a bug in the script."""
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # some works (send/recv) have no future
-            return work
-        # The callback holds no strong reference to any group: it may be the last thing to let go
-        # of one, and it runs (and is destroyed) on gloo's worker thread, where the last reference
-        # to an inner ProcessGroupGloo would make its destructor join that very thread (EDEADLK,
-        # std::terminate: a worker that released its group right after a step died this way).
-        fut.add_done_callback(functools.partial(_note_failure, weakref.ref(self), self.gen))
+        """Return ``work``, kept (with the others of this step) so that failed() can find it if it
+        completes with an error. No callback per collective: a Python done-callback costs each
+        collective a hand-over of the GIL to the backend's thread (~60 us on the dev VM), paid on
+        every DDP bucket of every step. The works of a step are dropped at the next step's first
+        collective (their tensors are the step's own), or beyond MAX_WATCHED in one step."""
+        step = steps.current()
+        if step != self._watched_step:
+            self._watched.clear()
+            self._watched_step = step
+        self._watched.append(work)
         return work
+
+    def failed(self) -> BaseException | None:
+        """The error of a collective of this generation that failed (a peer lost, or frozen past
+        the timeout), if one did: how the bootstrap tells an interruption from a bug in the script."""
+        if self.failure is None:
+            for work in list(self._watched):
+                try:
+                    fut = work.get_future()
+                except RuntimeError:  # some works (send/recv) have no future
+                    continue
+                if not fut.done():
+                    continue
+                try:
+                    fut.value()
+                except Exception as exc:  # the collective's error, kept for the interruption report
+                    self.failure = exc
+                    break
+        return self.failure
+
+    def _forget_works(self) -> None:
+        """A new generation, or none: the works of the old one say nothing about it."""
+        self._watched.clear()
+        self.failure = None
 
     @contextmanager
     def answering_broadcasts(self, replies: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -220,17 +247,6 @@ _LOCAL = {
     "all_gather_single": TorchPassGroup._local_all_gather_single,
     "barrier": TorchPassGroup._local_barrier,
 }
-
-
-def _note_failure(group_ref: weakref.ref[TorchPassGroup], gen: int, fut: Any) -> None:
-    """Done-callback of a watched collective: note its error in the group, if the group still runs
-    the generation the collective belonged to (not released, abandoned or re-formed since)."""
-    try:
-        fut.value()
-    except Exception as exc:
-        group = group_ref()
-        if group is not None and group.gen == gen and not group.local and group.failure is None:
-            group.failure = exc
 
 
 def _forwarder(name: str) -> Any:

@@ -26,7 +26,7 @@ from torchpass_common.errors import WorkerError
 if TYPE_CHECKING:
     from torchpass.agent import Agent
 
-_GRACE = 0.5  # s: a failed collective reaches its future's callback around the time it raises
+_GRACE = 0.5  # s: a failed collective's work may complete a moment after the error reached the script
 _POLL = 0.05
 EXIT_INTERRUPTED = 75  # exit code of an interrupted worker told to exit: the job was given up
 
@@ -53,9 +53,9 @@ def is_interruption(exc: BaseException) -> bool:
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return False
     deadline = time.monotonic() + _GRACE
-    while group.failure is None and time.monotonic() < deadline:
+    while group.failed() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    return group.failure is not None
+    return group.failed() is not None
 
 
 def interrupt(agent: Agent, exc: BaseException) -> Rejoin:
@@ -63,7 +63,7 @@ def interrupt(agent: Agent, exc: BaseException) -> Rejoin:
     for launchpad's recover; returns what the re-entered script's register() must load."""
     group = default_group.group()
     assert group is not None  # is_interruption() said so
-    gen, step, cause = group.gen, steps.current(), group.failure or exc
+    gen, step, cause = group.gen, steps.current(), group.failed() or exc
     error = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:500]
     own: dict[str, Any] | None = None
     if agent.save_fn is not None:

@@ -4,6 +4,7 @@ generation, and a local (joining) group answers only what DDP's constructor and 
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchpass import steps
 from torchpass.group import TorchPassGroup
 from torchpass_common.errors import WorkerError
 
@@ -119,6 +121,33 @@ def test_a_local_group_answers_ddp_construction_collectives_alone():
         pg.allreduce([t])
 
 
+def test_a_collective_failed_by_a_lost_peer_is_found_and_a_good_one_is_not(groups):
+    pgs, _ = groups
+    on_both(lambda r: pgs[r].allreduce([torch.ones(4)]).wait())
+    assert pgs[0].failed() is None, "completed collectives are no failure"
+    pgs[1].abandon()  # rank 1 is lost: its connections close
+    with pytest.raises(RuntimeError):
+        pgs[0].allreduce([torch.ones(4)]).wait()
+    assert isinstance(pgs[0].failed(), RuntimeError), "the bootstrap must see an interruption"
+    pgs[0].abandon()
+    assert pgs[0].failed() is not None, "abandoning keeps the failure for the interruption report"
+
+
+def test_a_steps_collectives_are_not_kept_past_the_next_step(groups):
+    pgs, _ = groups
+    count = steps.current()
+    try:
+        inputs = [torch.ones(1 << 16), torch.ones(1 << 16)]
+        first = weakref.ref(inputs[0])
+        on_both(lambda r: pgs[r].allreduce([inputs[r]]).wait())
+        steps.restore(count + 1)  # the optimizer stepped
+        inputs.clear()
+        assert first() is not None  # kept until the next step's first collective...
+        on_both(lambda r: pgs[r].allreduce([torch.zeros(4)]).wait())
+        assert first() is None, "...then released: the group must not hold a step's tensors longer"
+    finally:
+        steps.restore(count)
+
 
 _RELEASE_RIGHT_AFTER_A_STEP = '''
 import os, sys
@@ -148,10 +177,10 @@ os._exit(0)
 
 
 def test_releasing_right_after_a_step_never_kills_the_worker(tmp_path) -> None:
-    """The watched collective's done-callback runs, and is destroyed, on gloo's own thread; when it
-    held the inner group, dropping the group right after a DDP step made the group's destructor
-    join that very thread: std::terminate (EDEADLK) within a few dozen cycles. Two workers must
-    survive many release/re-form cycles."""
+    """Dropping the group right after a DDP step once killed workers: a done-callback that held the
+    inner group ran, and was destroyed, on gloo's own thread, so the group's destructor joined that
+    very thread (std::terminate, EDEADLK) within a few dozen cycles. Two workers must survive many
+    release/re-form cycles."""
     import socket
     import subprocess
     import sys

@@ -122,9 +122,9 @@ def test_without_register_a_recover_is_refused_and_the_rank_stays_interrupted(lo
 
 def test_only_a_failed_collective_makes_an_interruption(local_group: None) -> None:
     group = default_group.group()
-    assert group is not None and group.failure is None
+    assert group is not None and group.failed() is None
     assert not recovery.is_interruption(ValueError("a bug in the script"))
-    group.failure = RuntimeError("Connection closed by peer")
+    group.failure = RuntimeError("Connection closed by peer")  # what failed() found in a failed work
     assert recovery.is_interruption(RuntimeError("anything the script raised then"))
     assert not recovery.is_interruption(SystemExit(0)) and not recovery.is_interruption(KeyboardInterrupt())
 
