@@ -15,6 +15,7 @@ from launchpad.commands import Commands
 from launchpad.telemetry.sampler import Sampler
 from torchpass_common import job_credentials, log, mqtt, protocol
 from torchpass_common.errors import TorchPassError
+from torchpass_common.tasks import cancel_all
 
 if TYPE_CHECKING:
     from launchpad.agent import Agent
@@ -58,11 +59,7 @@ class ControlPlane:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks)
         with contextlib.suppress(TorchPassError):  # a clean goodbye; the Last Will covers a failed one
             await self._publish_state(online=False, timeout=1.0)
         await self.client.__aexit__(None, None, None)

@@ -20,6 +20,7 @@ import aiomqtt
 from torchpass_common import log, protocol
 from torchpass_common.config import BrokerConfig
 from torchpass_common.errors import ConfigError, ProtocolError, TorchPassError
+from torchpass_common.tasks import cancel_all
 
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 5.0
@@ -94,10 +95,8 @@ class ControlClient:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self._runner is not None:
-            self._runner.cancel()
             # A graceful DISCONNECT to a hung broker times out; the session is over either way.
-            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
-                await self._runner
+            await cancel_all([self._runner])
         self._connected.clear()
 
     async def wait_connected(self, timeout: float) -> None:
