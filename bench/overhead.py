@@ -62,6 +62,8 @@ dist.destroy_process_group()
 '''
 
 
+COMPONENT_WIDTH = 256  # short steps (~1.3 ms here): a per-step cost of tens of us stands out of the noise
+
 # One worker under launchpad: steps alternate between a DDP model on the TorchPass default group
 # (the boundary callback installed) and one on a plain gloo group (callback removed); prints the
 # median per-pair difference. argv: PAIRS WIDTH
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> dict:
         component = Path(tmp) / "component.py"
         component.write_text(_COMPONENT_SCRIPT)
         added = _run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node=1", str(component),
-                      str(a.pairs), "256"], env)["step_s"]
+                      str(a.pairs), str(COMPONENT_WIDTH)], env)["step_s"]
     res = summarise(torchrun, launchpad)
     return res | {"added_us_per_step": round(added * 1e6, 1),
                   "component_ratio": round(1 + added * 1e3 / res["torchrun_step_ms"], 4),
