@@ -250,6 +250,8 @@ class Commands:
         # the next command; with "exit" they end (non-zero: the job failed)
         recovering = [lk for lk in self.agent.channel.links.values() if lk.connected and lk.recovering]
         if args.get("exit") and recovering:
+            if group is not None:
+                group.told_to_exit.update(lk.pid for lk in recovering)
             await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in recovering))
         return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused),
                 "interrupted": sorted(lk.rank for lk in recovering), "exited": bool(args.get("exit") and recovering)}
@@ -264,8 +266,10 @@ class Commands:
             if not links:
                 raise WorkerError("no running (non-joining) worker has this rank here", rank=rank,
                                   node=self.agent.node)
-        await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in links))
         group = self.agent.group
+        if group is not None:
+            group.told_to_exit.update(lk.pid for lk in links)
+        await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in links))
         leaving = [w for lk in links if group is not None and (w := group.workers.get(lk.pid)) is not None]
         try:
             codes = await asyncio.wait_for(asyncio.gather(*(w.wait() for w in leaving)), self.agent.timeouts.step)

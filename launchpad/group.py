@@ -50,6 +50,7 @@ class WorkerGroup:
         self.router = OutputRouter(spec, attempt=restarts)
         self.workers: dict[int, workers.Worker] = {}
         self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
+        self.told_to_exit: set[int] = set()  # pids the abort/exit commands asked to exit
         self.hold = transparent.restore_target()
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
@@ -99,21 +100,43 @@ class WorkerGroup:
                 get = asyncio.create_task(self._exited.get())
                 done, _ = await asyncio.wait({get, stop_task}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
-                    w = get.result()
-                    running.discard(w.pid)
-                    self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
-                    if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here
-                        return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
+                    if (failed := self._exited_worker(get.result(), running)) is not None:
+                        return failed
                 else:
                     get.cancel()
                 running |= {pid for pid, w in self.workers.items() if w.returncode is None}  # joiners
                 if stop_task in done:
                     return Outcome(ok=False, signal=stop_signal())
                 if (remote := await remote_failure()) is not None:
-                    return Outcome(ok=False, remote=remote)
+                    return await self._told_exit_outcome(running) or Outcome(ok=False, remote=remote)
             return Outcome(ok=True)
         finally:
             stop_task.cancel()
+
+    async def _told_exit_outcome(self, running: set[int]) -> Outcome | None:
+        """Workers here that were told to exit (an orchestrator's abort or exit) get the grace
+        period to do so: when one fails, its exit code, not another node's report of the same
+        abort, is this node's outcome. None when they all exited 0 or did not exit in time."""
+        told = running & self.told_to_exit
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.grace_period
+        while told:
+            try:
+                w = await asyncio.wait_for(self._exited.get(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            told.discard(w.pid)
+            if (failed := self._exited_worker(w, running)) is not None:
+                return failed
+        return None
+
+    def _exited_worker(self, w: workers.Worker, running: set[int]) -> Outcome | None:
+        """Note that ``w`` exited; the round's failure when it failed."""
+        running.discard(w.pid)
+        self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
+        if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here
+            return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
+        return None
 
     async def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker still running: ``sig`` first, SIGKILL after the grace period."""

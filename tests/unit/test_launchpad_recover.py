@@ -49,7 +49,7 @@ def with_node(tmp_path: Path, steps: dict[int, int], body: Callable[..., Awaitab
                 await asyncio.sleep(0.01)
             procs = {1000 + r: SimpleNamespace(rank=r, pid=1000 + r, returncode=None) for r in steps}
             agent = SimpleNamespace(node="n1", world_size=3, gen=1, lost_nodes=0, channel=server,
-                                    group=SimpleNamespace(workers=procs),
+                                    group=SimpleNamespace(workers=procs, told_to_exit=set()),
                                     timeouts=Timeouts(collective=1, step=2, reform=3, decision=5))
             commands = Commands.__new__(Commands)  # the handler only needs its agent
             commands.agent, commands.joiners = agent, {}
@@ -89,6 +89,7 @@ def test_the_leader_donates_and_the_lagging_worker_loads_the_donors_state(tmp_pa
         aborted = await commands.abort({"exit": True}, 2, "r2")
         assert (aborted["interrupted"], aborted["exited"]) == ([0, 1], True)
         assert [(await workers[r].recv())["t"] for r in (0, 1)] == [ac.EXIT, ac.EXIT]
+        assert commands.agent.group.told_to_exit == {1000, 1001}  # their exit codes will be the node's
 
     with_node(tmp_path, {0: 7, 1: 6}, body)
 
