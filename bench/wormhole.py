@@ -3,8 +3,11 @@ plain sendall / recv_into of a pre-touched bytearray versus ``send_state`` of a 
 (embedding + transformer layers, 2 GiB by default) into a pre-faulted template, for 1 and 2
 streams. Endpoints are two child processes, on loopback or (``--devcluster``) in nodes n1 and n2.
 ``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}, and
-the CPU seconds per GB both endpoints spent (on a shared, busy VM the throughput of a CPU-bound
-loopback follows the CPU cost, so ``cpu_ratio`` = raw CPU / wormhole CPU is the steadier figure).
+the CPU seconds per GB both endpoints spent, together and each alone (``send_``/``recv_``; on a
+shared, busy VM the throughput of a CPU-bound loopback follows the CPU cost, so ``cpu_ratio`` =
+raw CPU / wormhole CPU is the steadier figure). Measured on the 2-core dev VM: the receiver
+costs about what raw recv_into does (it hashes each piece cache-hot); the sender costs about
+twice raw sendall, a fifth of it the checksum reading the state from memory.
 ``--devcluster --link-gbit R`` limits the receiving node's link to R Gbit/s (``devcluster shape``)
 for the run, so both are bound by a link, as between two trays, not by this machine's CPUs."""
 
@@ -257,18 +260,21 @@ def _interleaved(args: argparse.Namespace, rx: _Peer, tx: _Peer, kinds: list[str
     result["checksum_gbps"] = hello["checksum_gbps"]
     for streams in [int(s) for s in args.streams.split(",")]:
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
-        cpus: dict[str, list[float]] = {kind: [] for kind in kinds}
+        cpus: dict[str, dict[str, list[float]]] = {kind: {"": [], "send_": [], "recv_": []} for kind in kinds}
         for _ in range(args.reps):  # interleaved, so load from other processes hits all kinds alike
             for kind in kinds:
                 rx.send(f"{kind} {streams}")
                 port = rx.read()["port"]
                 tx.send(f"{kind} {streams} {port}")
-                sent = tx.read()
+                sent, received = tx.read(), rx.read()
                 times[kind].append(sent["seconds"])
-                cpus[kind].append(sent["cpu"] + rx.read()["cpu"])
+                for side, cpu in (("", sent["cpu"] + received["cpu"]), ("send_", sent["cpu"]),
+                                  ("recv_", received["cpu"])):
+                    cpus[kind][side].append(cpu)
         for kind in kinds:
             result[f"{kind}_s{streams}_gbps"] = round(total / statistics.median(times[kind]) / 1e9, 3)
-            result[f"{kind}_s{streams}_cpu_s_per_gb"] = round(statistics.median(cpus[kind]) / total * 1e9, 3)
+            for side, values in cpus[kind].items():  # both endpoints, and each alone: where the CPU goes
+                result[f"{kind}_s{streams}_{side}cpu_s_per_gb"] = round(statistics.median(values) / total * 1e9, 3)
     return total
 
 
