@@ -133,14 +133,19 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: flo
     except TorchPassError as exc:
         click.echo(f"torchpassctl: {exc}", err=True)
         sys.exit(1)
-    if as_json:
-        click.echo(json.dumps(rep))
-    else:
-        keys = ("ok", "job_id", "migrated_from", "migrated_to", "detect_s", "pause_s", "resumed_at_step",
-                "expected_step", "lost_steps", "bit_identical", "drain_reason", "error")
-        for k in keys:
-            click.echo(f"{k:>16}: {rep[k]}")
+    click.echo(json.dumps(rep) if as_json else drill_summary(rep))
     sys.exit(0 if rep["ok"] else 1)
+
+
+_DRILL_KEYS = ("ok", "mode", "job_id", "migrated_from", "migrated_to", "detect_s", "pause_s", "resumed_at_step",
+               "expected_step", "lost_steps", "bit_identical")
+_DRILL_IF_SET = ("fault", "drain_reason", "error")  # only some modes, or only a failed drill, have these
+
+
+def drill_summary(rep: dict[str, Any]) -> str:
+    """The drill report as aligned ``key: value`` lines; mode-specific fields and the error only when set."""
+    keys = [*_DRILL_KEYS, *(k for k in _DRILL_IF_SET if rep.get(k))]
+    return "\n".join(f"{k:>16}: {rep[k]}" for k in keys)
 
 
 COMMANDS = (status, migrate, history, drill)

@@ -1,6 +1,7 @@
 """`python -m bench wormhole --json` end to end on loopback with a small state: one run measures
 the raw-socket baseline and the wormhole for each stream count, and the ratio it prints is the
-one those figures give (a benchmark that silently stopped measuring one side would fail here)."""
+one those figures give (a benchmark that silently stopped measuring one side would fail here), as
+is the CPU-bound ceiling it reports beside it."""
 
 from __future__ import annotations
 
@@ -25,4 +26,10 @@ def test_wormhole_benchmark_reports_both_sides_and_their_ratio() -> None:
             both = res[f"{kind}_s{streams}_cpu_s_per_gb"]
             sides = res[f"{kind}_s{streams}_send_cpu_s_per_gb"] + res[f"{kind}_s{streams}_recv_cpu_s_per_gb"]
             assert both > 0 and abs(both - sides) < 0.005
-    assert res["ratio"] == res["ratio_s2"]  # the headline figure is the most streams measured
+        # the CPU-bound ceiling: raw's CPU against raw's plus both checksums, all measured in this run
+        raw_cpu = res[f"raw_s{streams}_cpu_s_per_gb"]
+        checksums = 1 / res["checksum_gbps"] + 1 / res["checksum_hot_gbps"]
+        assert 0 < res[f"cpu_bound_ceiling_s{streams}"] < 1
+        assert abs(res[f"cpu_bound_ceiling_s{streams}"] - raw_cpu / (raw_cpu + checksums)) < 0.01
+    assert res["ratio"] == res["ratio_s2"]  # the headline figures are the most streams measured
+    assert res["cpu_bound_ceiling"] == res["cpu_bound_ceiling_s2"]
