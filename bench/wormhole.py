@@ -8,10 +8,10 @@ shared, busy VM the throughput of a CPU-bound loopback follows the CPU cost, so 
 raw CPU / wormhole CPU is the steadier figure). ``cpu_bound_ceiling`` is the best ratio a
 transfer that checksums every byte on both ends can reach on such a CPU-bound path (raw's CPU plus
 the two checksums' own cost, measured in the same run); it does not apply where a link is the limit.
-Measured on the 2-core dev VM (both endpoints share its two cores): the ceiling is about 0.8, the
-wormhole reaches 0.7-0.9 of raw, the receiver costs about what raw recv_into does plus its
-checksum, the sender raw sendall plus its checksum reading the state from memory and some kernel
-time.
+Measured on the 2-core dev VM (both endpoints share its two cores): the ceiling is 0.85 at 2
+streams and 0.89 at 1, the wormhole reaches 0.65-0.9 of raw; the receiver costs about what raw
+recv_into does plus its checksum, the sender raw sendall plus its checksum reading the state from
+memory and some kernel time.
 ``--devcluster --link-gbit R`` limits the receiving node's link to R Gbit/s (``devcluster shape``)
 for the run, so both are bound by a link, as between two trays, not by this machine's CPUs."""
 

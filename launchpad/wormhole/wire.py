@@ -25,8 +25,9 @@ MAX_STATUS_MESSAGE = 4096
 
 
 def checksum(data: bytes | memoryview) -> int:
-    """XXH3-64 digest of ``data``: on the dev VM 45-55 GB/s on cache-hot data, ~17 GB/s reading from
-    memory (its cost on the sender, who reads the state first); 2.3x hardware CRC-32C."""
+    """XXH3-64 digest of ``data``: on the dev VM 45-55 GB/s on cache-hot data, 17-36 GB/s (busy or
+    quiet VM) reading from memory (its cost on the sender, who reads the state first); 2.3x
+    hardware CRC-32C."""
     return xxhash.xxh3_64_intdigest(data)
 
 
