@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +43,24 @@ class Outcome:
         return "all workers succeeded"
 
 
+def join_plan(nproc: int) -> dict[str, Any] | None:
+    """The join plan torchpassd gave this launchpad (agent_channel.ENV_JOIN_PLAN), checked against
+    its --nproc-per-node; None on a launchpad that starts a job's own workers."""
+    raw = os.environ.get(agent_channel.ENV_JOIN_PLAN)
+    if not raw:
+        return None
+    try:
+        plan = json.loads(raw)
+        ok = (len(plan["ranks"]) == len(plan["sources"]) == nproc
+              and all(isinstance(plan[k], int) for k in ("world_size", "group_rank", "group_world_size")))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise WorkerError(f"{agent_channel.ENV_JOIN_PLAN} is not a join plan for {nproc} workers",
+                          hint="it is set by torchpassd for a joining node; do not set it by hand")
+    return plan
+
+
 class WorkerGroup:
     """This node's workers in round ``m.round``; ``workers`` maps pid to Worker."""
 
@@ -57,9 +76,19 @@ class WorkerGroup:
     async def start(self) -> None:
         if self.hold:  # a spare's launchpad waiting for a worker criu restores here
             return
+        plan = join_plan(self.m.local_world_size)
         for local_rank in range(self.m.local_world_size):
-            env = workers.worker_env(self.spec, self.m, local_rank, self.restarts, self.socket_path)
-            await self._add(self.m.rank_offset + local_rank, local_rank, env)
+            if plan is None:
+                env = workers.worker_env(self.spec, self.m, local_rank, self.restarts, self.socket_path)
+                await self._add(self.m.rank_offset + local_rank, local_rank, env)
+                continue
+            rank = plan["ranks"][local_rank]  # this node takes the place of a leaving (or lost) node
+            m = dataclasses.replace(self.m, world_size=plan["world_size"], rank_offset=rank - local_rank,
+                                    node_rank=plan["group_rank"], nnodes=plan["group_world_size"])
+            env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
+                agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank])})
+            env.pop(agent_channel.ENV_JOIN_PLAN, None)  # every worker sees only its own source and token
+            await self._add(rank, local_rank, env)
 
     async def add_joiner(self, rank: int, world_size: int, source: dict[str, Any]) -> workers.Worker:
         """Start a worker that joins the running job as ``rank``, loading its state from ``source``."""

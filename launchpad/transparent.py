@@ -23,7 +23,7 @@ from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
 from launchpad.output import OutputRouter
-from launchpad.spec import LaunchSpec
+from launchpad.spec import MODE_ENV, LaunchSpec
 from launchpad.wormhole import File, StateReceiver, send_state
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from launchpad.agent import Agent
     from launchpad.channel import WorkerLink
 
-ENV_MODE = "TORCHPASS"  # the job's --torchpass mode, exported by the SPANK plugin
 ENV_RESTORE_TARGET = "TORCHPASS_RESTORE_TARGET"  # "1": start no worker, wait for one criu restores here
 # Fault injection for tests, in the job's environment: "dump" (criu dump without --tcp-close, which
 # criu refuses for the worker's live store connection) or "restore" (the memory pages lost on the
@@ -44,7 +43,7 @@ _SOCKETS_CLOSED_S = 10.0
 
 def movable() -> bool:
     """Start this node's workers so that criu can move them (the job asked for transparent mode)."""
-    return os.environ.get(ENV_MODE) == "transparent"
+    return os.environ.get(MODE_ENV) == "transparent"
 
 
 def restore_target() -> bool:

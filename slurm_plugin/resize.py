@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from slurm_plugin import hostlist
+from slurm_plugin.backends.commands import parse_oneliner
 from slurm_plugin.client import SlurmClient
 from slurm_plugin.model import Job
 from slurm_plugin.runner import SlurmRunner
@@ -159,10 +160,14 @@ class JobResizer:
         return job
 
     def start_step(self, job_id: int, node: str, argv: Sequence[str], *, mode: str = "auto",
-                   extra_env: Mapping[str, str] | None = None, **popen: object) -> subprocess.Popen:
+                   extra_env: Mapping[str, str] | None = None, job_output: bool = False,
+                   **popen: object) -> subprocess.Popen:
         """Start ``argv`` as a one-task step of job ``job_id`` on ``node``, as the job's user, under
         TorchPass (shim first on PATH), with --no-kill and --overlap (it may share CPUs with the
-        job's long-running training step). Returns the srun process; the caller waits for it."""
+        job's long-running training step). ``job_output``: the task's stdout/stderr are appended to
+        the job's own output files (written on ``node``: they must be on a file system it shares with
+        the batch host, as job output usually is), so a rank that moved keeps reaching them.
+        Returns the srun process; the caller waits for it."""
         job = self._job(job_id)
         if node not in job.nodes:
             raise SlurmError(f"{node} is not part of job {job_id} ({hostlist.compress(job.nodes)})",
@@ -172,9 +177,20 @@ class JobResizer:
             log.get(job=job_id).info("slurm.rejoin_wait", node=node, seconds=round(wait, 2))
             time.sleep(wait)
         cmd = ["srun", f"--jobid={job_id}", "-w", node, "-N1", "-n1", "--no-kill", "--overlap",
-               f"--torchpass={mode}", "--", *argv]
+               f"--torchpass={mode}", *(self._output_options(job_id) if job_output else ()), "--", *argv]
         log.get(job=job_id).info("slurm.step_start", node=node, argv=list(argv))
         return self.runner.popen(cmd, user=job.user, extra_env=extra_env, **popen)
+
+    def _output_options(self, job_id: int) -> list[str]:
+        """srun options appending a step's output to the job's StdOut/StdErr files (none known: none)."""
+        record = parse_oneliner(self.runner.run(["scontrol", "-o", "show", "job", str(job_id)]).strip())
+        out, err = record.get("StdOut", ""), record.get("StdErr", "")
+        if not out.startswith("/"):
+            return []
+        opts = ["--open-mode=append", f"--output={out}"]
+        if err.startswith("/") and err != out:
+            opts.append(f"--error={err}")
+        return opts
 
     def hot_spares(self, job_id: int, busy: Iterable[str]) -> list[str]:
         """Healthy nodes of the job's own allocation that run no ranks (``--torchpass-spares=N``)."""

@@ -5,7 +5,9 @@
  * In the client (local/allocator context) it exports TORCHPASS=<mode>, TORCHPASS_SPARES=<n> and
  * SLURM_NO_KILL=set into the environment the job inherits, and records the same in the job-control
  * environment that prolog/epilog scripts see. In remote context (slurmstepd) it puts the shim
- * directory (plugstack argument shimdir=DIR) first on each task's PATH, so `torchrun` runs launchpad.
+ * directory (plugstack argument shimdir=DIR) first on each task's PATH, so `torchrun` runs launchpad,
+ * and gives each task the site's TorchPass config (plugstack argument config=FILE) as
+ * TORCHPASS_CONFIG: the job script itself sets nothing.
  *
  * Job-level --no-kill cannot be set from SPANK; spank/cli_filter.lua does that (see spank/README.md).
  * Uses only the stable SPANK API (spank_option_register in slurm_spank_init: an exported option
@@ -28,6 +30,7 @@ static int enabled;
 static char mode[16] = "auto";
 static long spares;
 static char shimdir[4096];
+static char config[4096];
 
 static int set_mode(const char *arg)
 {
@@ -93,8 +96,11 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 	for (a = 0; a < ac; a++) {
 		if (!strncmp(av[a], "shimdir=", 8)) {
 			snprintf(shimdir, sizeof(shimdir), "%s", av[a] + 8);
+		} else if (!strncmp(av[a], "config=", 7)) {
+			snprintf(config, sizeof(config), "%s", av[a] + 7);
 		} else {
-			slurm_error("torchpass: unknown plugstack.conf argument '%s' (known: shimdir=DIR)", av[a]);
+			slurm_error("torchpass: unknown plugstack.conf argument '%s' (known: shimdir=DIR config=FILE)",
+				    av[a]);
 			return -1;
 		}
 	}
@@ -133,6 +139,10 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	snprintf(n, sizeof(n), "%ld", spares);
 	spank_setenv(sp, "TORCHPASS", mode, 1);
 	spank_setenv(sp, "TORCHPASS_SPARES", n, 1);
+	/* launchpad reads the site's config (broker, timeouts) from here; without config= it falls
+	 * back to /etc/torchpass/torchpass.toml. */
+	if (config[0] && spank_setenv(sp, "TORCHPASS_CONFIG", config, 1) != ESPANK_SUCCESS)
+		slurm_error("torchpass: cannot set TORCHPASS_CONFIG=%s", config);
 	if (len == 0) {
 		slurm_error("torchpass: no shimdir= in plugstack.conf: torchrun is not replaced by launchpad");
 		return 0;

@@ -22,6 +22,9 @@ from torchpass_common.errors import ProtocolError
 ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
 ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_host", "port", "token"}
+# On a joining node's launchpad (never in a worker): JSON {"ranks": [...], "world_size", "group_rank",
+# "group_world_size", "sources": [...]}: local worker i joins as ranks[i], loading from sources[i].
+ENV_JOIN_PLAN = "TORCHPASS_JOIN_PLAN"
 ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 

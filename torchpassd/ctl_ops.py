@@ -109,16 +109,18 @@ def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> N
 @click.command("drill")
 @click.option("--mode", type=click.Choice(drillmod.MODES), default="planned-aware", show_default=True)
 @click.option("--steps", default=drillmod.DrillSettings.steps, show_default=True, help="Training steps.")
-@click.option("--nodes", default=drillmod.DrillSettings.nodes, show_default=True, help="Nodes (one worker each).")
+@click.option("--nodes", default=drillmod.DrillSettings.nodes, show_default=True, help="Nodes of the job.")
+@click.option("--nproc-per-node", "nproc", default=drillmod.DrillSettings.nproc, show_default=True,
+              help="Workers a node (torchrun's --nproc-per-node); all of the failed node's ranks move.")
 @click.option("--step-sleep", default=drillmod.DrillSettings.step_sleep, show_default=True,
               help="Extra seconds per step (simulated compute), so the job outlasts the migration.")
 @click.option("--timeout", default=drillmod.DrillSettings.timeout, show_default=True, help="Seconds per wait.")
 @_json_option
 @click.pass_context
-def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: float, timeout: float,
+def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, step_sleep: float, timeout: float,
           as_json: bool) -> None:
     """Validate the installation: run the example job, make one of its nodes fail, and check the
-    job went on with nothing lost, bit-identical to a run without a failure.
+    job went on with nothing lost, bit-identical to a run without a failure, and ended COMPLETED.
 
     \b
     planned-aware        drain a node; its rank's registered state moves to a spare
@@ -127,7 +129,7 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: flo
     unplanned            kill -9 a node; its rank is rebuilt from a replica, the step replayed
     unplanned-cut        cut a node's network instead of killing it"""
     cfg = _config(ctx)
-    settings = drillmod.DrillSettings(nodes=nodes, steps=steps, step_sleep=step_sleep, timeout=timeout)
+    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, steps=steps, step_sleep=step_sleep, timeout=timeout)
     try:
         rep = drillmod.run(cfg, mode, settings, say=(lambda _: None) if as_json else click.echo)
     except TorchPassError as exc:
@@ -137,8 +139,8 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, step_sleep: flo
     sys.exit(0 if rep["ok"] else 1)
 
 
-_DRILL_KEYS = ("ok", "mode", "job_id", "migrated_from", "migrated_to", "detect_s", "pause_s", "resumed_at_step",
-               "expected_step", "lost_steps", "bit_identical")
+_DRILL_KEYS = ("ok", "mode", "job_id", "migrated_from", "migrated_to", "moved_ranks", "detect_s", "pause_s",
+               "resumed_at_step", "expected_step", "lost_steps", "bit_identical", "job_state")
 _DRILL_IF_SET = ("fault", "drain_reason", "error")  # only some modes, or only a failed drill, have these
 
 

@@ -8,7 +8,6 @@ launchpad without a failure, and compares every per-step loss and the final para
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,9 +28,8 @@ POLL = 0.5
 TERMINAL = ("succeeded", "failed", "rolled_back")
 
 _JOB_SCRIPT = """#!/bin/bash
-# TorchPass drill: the example DDP job, one worker per node, rendezvous on the batch host.
-export TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config}
-{prelude}srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:{port} \\
+# TorchPass drill: the example DDP job as a user writes it, rendezvous on the batch host.
+{prelude}srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:{port} \\
     {example} {args} --log {log}
 """
 
@@ -56,6 +54,8 @@ class DrillReport:
     fault: str = ""  # unplanned: kill or cut (drill_unplanned.py)
     step_at_kill: int | None = None  # unplanned: the highest step any rank had started at the kill
     workdir: str = ""
+    moved_ranks: list[int] = field(default_factory=list)  # every rank of the failed node
+    job_state: str = ""  # the job's final Slurm state: COMPLETED, as if nothing had happened
     timeline: list[dict[str, Any]] = field(default_factory=list)
     move: dict[str, Any] = field(default_factory=dict)  # planned-transparent: dump, transfer, restore
 
@@ -63,6 +63,7 @@ class DrillReport:
 @dataclass(frozen=True)
 class DrillSettings:
     nodes: int = 4
+    nproc: int = 1  # workers a node (torchrun's --nproc-per-node)
     steps: int = 300
     step_sleep: float = 0.2
     warmup_steps: int = 5
@@ -139,15 +140,28 @@ class Drill:
                 drill_unplanned.run(self, victim, rank, workdir)  # kill (or cut) instead of a drain
             else:
                 self._drain_and_migrate(victim, rank, workdir)
+            rep.job_state = self._final_state()
+            if rep.job_state != "COMPLETED":
+                rep.error = rep.error or (f"the job ended {rep.job_state}, not COMPLETED: a migrated job must end "
+                                          f"as if nothing had happened (see {workdir})")
         except TorchPassError as exc:
             rep.error = str(exc)
         finally:
             self._cancel()
         rep.ok = (rep.error is None and rep.bit_identical and rep.lost_steps == 0
-                  and rep.resumed_at_step == rep.expected_step)
+                  and rep.resumed_at_step == rep.expected_step and rep.job_state == "COMPLETED")
         if rep.workdir:
             (Path(rep.workdir) / "report.json").write_text(json.dumps(asdict(rep), indent=1))
         return rep
+
+    def _final_state(self) -> str:
+        """The job's Slurm state once it has ended on its own (training is over by now)."""
+        def ended() -> str | None:
+            job = self.slurm.job(int(self.report.job_id))
+            return None if job is not None and job.active else (job.state if job else "UNKNOWN")
+        state = self._wait(f"job {self.report.job_id} to end", ended, timeout=120.0)
+        self._note(f"job {self.report.job_id} ended {state}")
+        return state
 
     def _cancel(self) -> None:
         """The drill's job never outlives the drill (it is finished already when all went well)."""
@@ -161,7 +175,7 @@ class Drill:
         s = self.s
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
-            config=self.cfg.source or "", prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
+            nproc=s.nproc, prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
             nodes=s.nodes, port=s.rdzv_port, example=self.script,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
             log=workdir / "train.log"))
@@ -185,13 +199,13 @@ class Drill:
             if not job or len(job["launchpads"]) < self.s.nodes:
                 return None
             workers = [w for lp in job["launchpads"].values() for w in lp["workers"]]
-            return job if len(workers) == self.s.nodes and min(w["step"] for w in workers) >= self.s.warmup_steps \
-                else None
+            return job if len(workers) == self.s.nodes * self.s.nproc \
+                and min(w["step"] for w in workers) >= self.s.warmup_steps else None
         job = self._wait("every rank to train", ready)
         victim = [n for n in job["nodes"] if n != job["batch_host"]][-1]
-        rank = job["launchpads"][victim]["workers"][0]["rank"]
-        self._note(f"training on {', '.join(job['nodes'])}; rank {rank} runs on {victim}")
-        return victim, rank
+        self.report.moved_ranks = sorted(w["rank"] for w in job["launchpads"][victim]["workers"])
+        self._note(f"training on {', '.join(job['nodes'])}; ranks {self.report.moved_ranks} run on {victim}")
+        return victim, self.report.moved_ranks[0]
 
     def _wait_gpu_drain(self) -> tuple[str, int]:
         """gpu-degrade: until torchpassd's health policy drains one of the job's nodes (the replay
@@ -230,7 +244,8 @@ class Drill:
         rep.detect_s = round(max(0.0, chosen["at"] - drained_at), 3)
         rep.pause_s = resumed["detail"]["pause_s"]
         paused_step = resumed["detail"]["plan"]["paused_step"]
-        self._note(f"moved rank {rank} {victim} -> {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s")
+        self._note(f"moved ranks {rep.moved_ranks} {victim} -> {rep.migrated_to}: detect {rep.detect_s}s, "
+                   f"pause {rep.pause_s}s")
         self._wait(f"job {rep.job_id} to finish", lambda: not (j := self.slurm.job(int(rep.job_id))) or not j.active)
         self._note("job finished; running the reference without a failure")
         ref = workdir / "reference.log"
@@ -239,11 +254,10 @@ class Drill:
 
     def _reference(self, log: Path) -> None:
         s = self.s
-        argv = [sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(s.nodes),
+        argv = [sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(s.nodes * s.nproc),
                 str(self.script), "--steps", str(s.steps), "--log", str(log)]
         try:
-            env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}  # no control plane
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.s.timeout, check=False, env=env)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.s.timeout, check=False)
         except subprocess.TimeoutExpired:
             raise MigrationError(f"the reference run did not finish within {self.s.timeout:.0f} s") from None
         if proc.returncode != 0:

@@ -173,7 +173,7 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
         # wait on for the cut node's task until the node comes back (the drill cancels the job).
         drill._wait(f"job {rep.job_id} to finish training",
                     lambda: not (j := drill.slurm.job(int(rep.job_id))) or not j.active
-                    or (log.exists() and len(read_log(log)[1]) >= drill.s.nodes))
+                    or (log.exists() and len(read_log(log)[1]) >= drill.s.nodes * drill.s.nproc))
     finally:
         fault.undo()
     drill._note("job finished; running the reference without a failure")

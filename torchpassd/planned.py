@@ -32,6 +32,7 @@ from torchpassd.registry import JobView, Registry
 
 MODE = "planned-aware"
 WORMHOLE_PORT_BASE = 29400  # the joiner listens on BASE + generation (a fresh port per migration)
+JOINER_PORT_STRIDE = 200  # a joining node's local worker i listens on that port + i * STRIDE
 PAUSE_MARGIN_S = 1.5  # steps the job may run between the last heartbeat and the pause command
 # Phases in order; a restarted torchpassd rolls back a migration that stopped before HANDED_OVER.
 REQUESTED, SPARE_CHOSEN, SPARE_ADDED, JOINER_READY, PAUSED = (
@@ -49,6 +50,7 @@ class Plan:
     source: str
     gen: int
     rank: int = -1
+    ranks: list[int] = field(default_factory=list)  # every rank the move takes (planned-aware: the node's)
     world_size: int = 0
     target: str = ""
     target_addr: str = ""
@@ -77,6 +79,11 @@ class Plan:
             if k in known:
                 setattr(plan, k, v)
         return plan
+
+
+def joiner_port(port: int, index: int) -> int:
+    """The wormhole port of a joining node's local worker ``index`` (``port``: the migration's)."""
+    return port + index * JOINER_PORT_STRIDE
 
 
 @dataclass(frozen=True)
@@ -197,59 +204,62 @@ class Flow:
             raise MigrationError(f"cannot read rank {rank}'s command line on {node}: {err.strip()}", **self.where)
         return WorkerTemplate.parse(out, job=p.job, node=node)
 
-    def _joiner_argv(self, tpl: WorkerTemplate, rank: int, target: str) -> list[str]:
-        """launchpad on ``target`` running ``tpl``'s script as a joining ``rank``."""
+    def _joiner_argv(self, tpl: WorkerTemplate, nproc: int, target: str) -> list[str]:
+        """launchpad on ``target`` running ``tpl``'s script in ``nproc`` joining workers (their ranks
+        and sources come in the join plan, agent_channel.ENV_JOIN_PLAN)."""
         p = self.plan
         config = tpl.env.get("TORCHPASS_CONFIG") or self.d.cfg.source
+        entry = ["--module", *tpl.script_args[1:]] if tpl.script_args[:1] == ["-m"] else tpl.script_args
         return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", target,
                 *(["--config", config] if config else []),
-                "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
-                "--rdzv-id", f"{p.job}-join-{self.id[:8]}-{target}",  # one rendezvous per joiner
-                # launchpad gives a lone worker rank 0 of 1; env sets the rank it takes over.
-                "--no-python", "/usr/bin/env", f"RANK={rank}", f"ROLE_RANK={rank}",
-                f"WORLD_SIZE={p.world_size}", f"ROLE_WORLD_SIZE={p.world_size}",
-                tpl.python, "-u", "-m", "torchpass._bootstrap", *tpl.script_args]
+                "--rdzv-id", f"{p.job}-join-{self.id[:8]}-{target}",  # one rendezvous per joining node
+                *entry]
 
     def _step_key(self, target: str) -> str:
         return f"{self.id}/{target}"
 
-    async def _start_joiner(self, tpl: WorkerTemplate, rank: int, target: str, target_addr: str) -> None:
-        """Start launchpad and the joining worker for ``rank`` on ``target`` (a job step; the
-        wormhole source token travels in its environment, never on a command line or in a log)
-        and wait until the worker listens for its state."""
+    async def _start_joiner(self, tpl: WorkerTemplate, ranks: list[int], target: str, target_addr: str) -> None:
+        """Start launchpad and one joining worker per rank of ``ranks`` on ``target`` (a job step; the
+        wormhole tokens travel in its environment, never on a command line or in a log) and wait
+        until every one of them listens for its state."""
         p = self.plan
-        source = {"listen_host": "0.0.0.0", "port": p.port, "token": self.token.hex()}
+        ports = [joiner_port(p.port, i) for i in range(len(ranks))]
+        plan = {"ranks": ranks, "world_size": p.world_size, "group_rank": int(tpl.env.get("GROUP_RANK", 0)),
+                "group_world_size": int(tpl.env.get("GROUP_WORLD_SIZE", 1)),
+                "sources": [{"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()} for port in ports]}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:
             proc = await asyncio.to_thread(
-                self.d.resizer.start_step, int(p.job), target, self._joiner_argv(tpl, rank, target),
-                extra_env={ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)},
+                self.d.resizer.start_step, int(p.job), target, self._joiner_argv(tpl, len(ranks), target),
+                extra_env={ac.ENV_JOIN_PLAN: json.dumps(plan)}, job_output=True,
                 stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None, start_new_session=True)
         finally:
             out.close()
         self.d.steps[self._step_key(target)] = proc
         asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
-        await self._wait_receiver(proc, target, target_addr)
+        await self._wait_receiver(proc, target, target_addr, ports)
 
-    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str) -> None:
-        """Until the joiner's wormhole receiver listens (it has built its model and sits in
+    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str, ports: list[int]) -> None:
+        """Until every joining worker's wormhole receiver listens (it has built its model and sits in
         register()); the launchpad step ending first is a failure."""
-        p = self.plan
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.t.decision
-        while True:
+        waiting = list(ports)
+        while waiting:
             if proc.poll() is not None:
                 raise MigrationError(f"the joiner's launchpad step on {target} ended (rc={proc.returncode})",
                                      hint=f"see {self.d.steps_dir}", **self.where)
             with contextlib.suppress(OSError):
-                sock = await asyncio.wait_for(asyncio.open_connection(target_addr, p.port), 1.0)
+                sock = await asyncio.wait_for(asyncio.open_connection(target_addr, waiting[0]), 1.0)
                 sock[1].close()
-                return
+                waiting.pop(0)
+                continue
             if loop.time() > deadline:
-                raise MigrationError(f"the joiner on {target} did not get ready within {self.t.decision:.0f} s",
-                                     **self.where)
+                raise MigrationError(f"the joiners on {target} did not get ready within {self.t.decision:.0f} s "
+                                     f"(not listening: ports {waiting})", **self.where)
             await asyncio.sleep(0.1)
 
     def _reform_args(self, gen: int) -> dict[str, Any]:
@@ -296,11 +306,10 @@ class PlannedMigration(Flow):
 
     async def _prepare(self) -> None:
         p, view = self.plan, self.view()
-        ranks = view.ranks_on(p.source)
-        if len(ranks) != 1:
-            raise MigrationError(f"the leaving node runs ranks {ranks}; planned migration moves exactly one",
-                                 hint="run one worker per node (--nproc-per-node 1)", **self.where)
-        p.rank = ranks[0]
+        p.ranks = view.ranks_on(p.source)
+        if not p.ranks:
+            raise MigrationError(f"{p.source} runs no rank of the job", hint="nothing to move", **self.where)
+        p.rank = p.ranks[0]
         p.survivors = sorted(n for n, lp in view.launchpads.items()
                              if lp.online and lp.workers and n != p.source)
         p.target, p.target_addr = await self._take_spare()
@@ -310,7 +319,7 @@ class PlannedMigration(Flow):
         await self.phase(SPARE_ADDED)
         tpl = await self._template(p.source, p.rank)
         self._adopt_template(tpl)
-        await self._start_joiner(tpl, p.rank, p.target, p.target_addr)
+        await self._start_joiner(tpl, p.ranks, p.target, p.target_addr)
         await self.phase(JOINER_READY)
 
     def _pause_step(self) -> int:
@@ -341,10 +350,11 @@ class PlannedMigration(Flow):
 
     async def _hand_over(self) -> None:
         p = self.plan
-        dest = {"host": p.target_addr, "port": p.port, "token": self.token.hex()}
+        saves = [{"rank": rank, "dest": {"host": p.target_addr, "port": joiner_port(p.port, i), "token": self.token.hex()}}
+                 for i, rank in enumerate(p.ranks)]
         self.save_sent = True
-        res = await self.send(p.source, "save", p.gen, {"rank": p.rank, "dest": dest})
-        await self.phase(HANDED_OVER, bytes=res.get("bytes"), transfer_s=res.get("seconds"))
+        res = await self.send(p.source, "save", p.gen, {"saves": saves})  # the node's ranks stream side by side
+        await self.phase(HANDED_OVER, bytes=res.get("bytes"), transfer_s=res.get("seconds"), ranks=p.ranks)
 
     async def finish(self) -> str:
         """From the hand-over on: form the new generation with the joiner, resume, release the
@@ -397,13 +407,41 @@ class PlannedMigration(Flow):
         return jn.ROLLED_BACK
 
     async def _source_gone(self) -> None:
-        """Let the leaving launchpad finish on its own (its task then ends cleanly) before Slurm
-        takes the node away; past the re-form timeout Slurm's release stops it anyway."""
+        """Let the leaving launchpad finish on its own before Slurm takes the node away: its task
+        then ends with code 0 and the user's srun (and so the job) ends COMPLETED; a task still
+        running at the release is killed, and srun and the job fail. Past the re-form timeout Slurm's
+        release stops it anyway."""
         view = self.view()
+        source = self.plan.source
         with contextlib.suppress(MigrationError):
-            await self.d.registry.wait_for(
-                lambda: True if not (lp := view.launchpads.get(self.plan.source)) or not lp.online else None,
-                self.t.reform, f"the launchpad on {self.plan.source} to exit", **self.where)
+            lp = await self.d.registry.wait_for(
+                lambda: lp if (lp := view.launchpads.get(source)) is not None and not lp.online else None,
+                self.t.reform, f"the launchpad on {source} to exit", **self.where)
+            await self._process_ended(source, lp.pid)
+
+    async def _process_ended(self, node: str, pid: int) -> None:
+        """Until process ``pid`` on ``node`` is gone (reaped by its slurmstepd, which has then told
+        srun its exit code), looked at through a step on that node; at most timeouts.reform."""
+        if pid <= 0:
+            return
+        tries = max(1, int(self.t.reform / 0.05))
+        script = f"i=0; while [ -e /proc/{pid} ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; " \
+                 f"[ ! -e /proc/{pid} ]"
+        try:
+            proc = await asyncio.to_thread(self.d.resizer.start_step, int(self.plan.job), node, ["sh", "-c", script],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        except TorchPassError as exc:
+            self.log.warning("migration.source_exit_unknown", pid=pid, error=str(exc))
+            return
+        try:
+            _, err = await asyncio.to_thread(proc.communicate, timeout=self.t.reform + self.d.cfg.slurm.command_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            self.log.warning("migration.source_exit_unknown", pid=pid, error="the step looking for it hung")
+            return
+        if proc.returncode != 0:
+            self.log.warning("migration.source_still_running", pid=pid, error=err.strip())
 
     async def roll_back(self, reason: str) -> None:
         """Before the hand-over: back to the job as it was. Paused ranks resume in the current
@@ -420,7 +458,7 @@ class PlannedMigration(Flow):
             try:
                 await self.send(p.source, "resume", p.gen, {"gen": p.gen}, timeout=self.t.reform)
             except TorchPassError as exc:
-                problems.append(f"resuming rank {p.rank} on {p.source}: {exc}")
+                problems.append(f"resuming ranks {p.ranks} on {p.source}: {exc}")
         if p.target:
             problems += await self._drop_target(p.target)
         self.d.metrics.migrations_total.inc(mode=self.mode, outcome="rolled_back")

@@ -26,6 +26,7 @@ class Launchpad:
     gen: int = 0
     workers: list[dict[str, Any]] = field(default_factory=list)
     last_heartbeat: float | None = None  # time.monotonic()
+    pid: int = 0  # the launchpad process on its node (from its state messages)
     # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
     _prev: tuple[float, int] | None = None
     steps_per_s: float = 0.0
@@ -101,6 +102,7 @@ class Registry:
         if msg.kind == protocol.STATE:
             lp.online = bool(msg.body["online"])
             lp.gen = msg.gen
+            lp.pid = int(msg.body.get("pid") or lp.pid)
             if not lp.online:
                 lp.workers = []
         elif msg.kind == protocol.HEARTBEAT:

@@ -100,7 +100,7 @@ class TransparentMigration(planned.PlannedMigration):
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:
             proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), p.target, argv, mode="transparent",
-                                           extra_env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None,
+                                           extra_env=env, job_output=True, stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None,
                                            start_new_session=True)
         finally:
             out.close()

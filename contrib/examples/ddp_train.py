@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--state-mib", type=int, default=0, help="extra MiB of state per rank, carried by save/load")
     # --log-file: under real torchrun, whose parser calls "--log" ambiguous (--log-dir, --logs-specs)
     ap.add_argument("--log", "--log-file", dest="log", help="append per-step JSON lines here")
+    ap.add_argument("--print-every", type=int, default=1, help="print a progress line every N steps (0: never)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -109,6 +110,8 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         progress["step"] = step + 1
+        if args.print_every and progress["step"] % args.print_every == 0:  # what users' tools parse
+            print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         if args.checkpoint_every and rank == 0 and progress["step"] % args.checkpoint_every == 0:
             torch.save(save(), args.checkpoint + ".tmp")
             os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a crash mid-save keeps the last one

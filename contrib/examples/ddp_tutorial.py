@@ -62,6 +62,7 @@ def main() -> None:
                 time.sleep(args.step_sleep)
             if log:
                 log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex()}) + "\n")
+            print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
             step += 1
             if step == args.steps:
                 break

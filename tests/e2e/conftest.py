@@ -26,6 +26,14 @@ TERMINAL = ("succeeded", "failed", "rolled_back")
 TIMEOUTS = "[timeouts]\ncollective = 10.0\nstep = 20.0\nreform = 30.0\ndecision = 90.0\n"
 
 
+def install_site_config(cluster: DevCluster, config: Path) -> None:
+    """Make ``config`` the dev cluster's site torchpass.toml, the file the SPANK plugin hands every
+    task of a --torchpass job (plugstack.conf ``config=``), as an operator edits /etc/torchpass."""
+    site = Path(cluster.info["torchpass_config"])
+    if site != config:
+        site.write_text(config.read_text())
+
+
 def wait_until(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
@@ -33,6 +41,18 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float, every: float
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(every)
     return value
+
+
+@pytest.fixture
+def criu() -> None:
+    """Skip, saying why, where no working criu (4.2 or newer) is installed."""
+    from criu_hooks import locate
+    from criu_hooks.errors import CriuUnavailable
+
+    try:
+        locate.find()
+    except CriuUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +157,7 @@ def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
     state = e2e_dir / "state"
     for f in state.glob("journal.sqlite*"):
         f.unlink()
+    install_site_config(devcluster, tp_config)  # the drills' jobs read it too
     daemon = Daemon(tp_config, e2e_dir / f"torchpassd-{request.node.name}.log")
     daemon.start()
     try:
@@ -147,35 +168,42 @@ def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
 
 
 class Training:
-    """The example DDP job submitted with ``sbatch --torchpass``, one worker per node."""
+    """The example DDP job as a user submits it: ``sbatch --torchpass`` of a script whose only line is
+    an unchanged ``srun torchrun``, ``nproc`` workers a node. Nothing TorchPass-specific is exported:
+    the job's launchpads find the site's config where the SPANK plugin's ``config=`` points."""
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
-                 nodes: int = 4, script: Path = EXAMPLE, mode: str = "aware", env: str = "") -> None:
-        """``script`` trains (``mode``: its --torchpass mode); ``env``: more exports, "NAME=value ...". """
-        self.cluster, self.steps, self.nodes = cluster, steps, nodes
+                 nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, mode: str = "aware", env: str = "") -> None:
+        """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
+        (``mode``: its --torchpass mode); ``env``: test-only fault hooks, "NAME=value ..."."""
+        self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
+        self.world = nodes * nproc
         self.log = workdir / "train.log"
-        script = (f"#!/bin/bash\nexport TORCHPASS_JOB=$SLURM_JOB_ID TORCHPASS_CONFIG={config} {env}\n"
-                  f"srun --no-kill torchrun --nnodes {nodes} --nproc-per-node 1 --rdzv-endpoint $SLURMD_NODENAME:29500 "
+        self.out = workdir / "slurm-%j.out"
+        install_site_config(cluster, config)
+        script = ("#!/bin/bash\n" + (f"export {env}\n" if env else "") +
+                  f"srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:29500 "
                   f"{script} --steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)
         res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", f"-N{nodes}", "-o",
-                              str(workdir / "slurm-%j.out"), str(workdir / "train.sh")],
+                              str(self.out), str(workdir / "train.sh")],
                              capture_output=True, text=True, cwd=workdir, timeout=60,
                              env=dict(cluster.env, SLURM_CONF=client_conf), check=True)
         self.job = res.stdout.strip().split(";")[0]
+        self.out = workdir / f"slurm-{self.job}.out"
 
     def wait_running(self, daemon: Daemon, min_step: int = 3, timeout: float = 120) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             job = daemon.job(self.job)
             workers = [w for lp in (job or {}).get("launchpads", {}).values() for w in lp["workers"]]
-            return job if len(workers) == self.nodes and min(w["step"] for w in workers) >= min_step else None
+            return job if len(workers) == self.world and min(w["step"] for w in workers) >= min_step else None
         return wait_until(f"job {self.job} to train", ready, timeout)
 
     def wait_done(self, timeout: float = 240) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
         """Until every rank logged its final hash; returns the log."""
         def done() -> bool:
-            return self.log.exists() and len(read_log(self.log)[1]) == self.nodes
+            return self.log.exists() and len(read_log(self.log)[1]) == self.world
         wait_until(f"job {self.job} to finish training", done, timeout, every=0.5)
         return read_log(self.log)
 
@@ -190,10 +218,9 @@ def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], 
         if (steps, script) not in cache:
             log = e2e_dir / f"reference-{script.stem}-{steps}.log"
             log.unlink(missing_ok=True)
-            env = {k: v for k, v in os.environ.items() if k != "TORCHPASS_JOB"}
             res = subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", "4",
                                   str(script), "--steps", str(steps), "--log", str(log)],
-                                 timeout=600, env=env, capture_output=True, text=True)
+                                 timeout=600, capture_output=True, text=True)
             assert res.returncode == 0, res.stderr[-3000:]
             cache[(steps, script)] = read_log(log)
         return cache[(steps, script)]

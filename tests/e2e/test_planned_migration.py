@@ -67,14 +67,15 @@ def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Dae
     return job
 
 
-def test_drill_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:
+def test_drill_two_ranks_a_node_reports_ok_bit_identical_and_completed(torchpassd: Daemon, tp_config: Path) -> None:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
-                          "--mode", "planned-aware", "--json", "--steps", str(STEPS),
-                          "--step-sleep", str(STEP_SLEEP)],
+                          "--mode", "planned-aware", "--json", "--steps", str(STEPS), "--nodes", "3",
+                          "--nproc-per-node", "2", "--step-sleep", str(STEP_SLEEP)],
                          capture_output=True, text=True, timeout=900)
     report = json.loads(res.stdout)
     assert res.returncode == 0, report
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["job_state"] == "COMPLETED" and len(report["moved_ranks"]) == 2, report
     assert report["mode"] == "planned-aware" and report["migrated_to"] == "n5"
     assert report["migrated_from"] not in ("n1", "n5")  # never the batch host
     assert report["resumed_at_step"] == report["expected_step"] > 0

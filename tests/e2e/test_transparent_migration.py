@@ -26,14 +26,8 @@ SCRIPT = drill_transparent.SCRIPT
 
 
 @pytest.fixture(autouse=True)
-def _criu() -> None:
-    from criu_hooks import locate
-    from criu_hooks.errors import CriuUnavailable
-
-    try:
-        locate.find()
-    except CriuUnavailable as e:
-        pytest.skip(str(e))
+def _criu(criu: None) -> None:
+    """Every test here needs a working criu (the shared fixture skips with the reason)."""
 
 
 def test_drill_planned_transparent_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:

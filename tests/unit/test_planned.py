@@ -17,7 +17,7 @@ from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError
 from torchpassd import journal as jn
 from torchpassd.drill import DrillReport, compare
-from torchpassd.planned import Deps, Plan, PlannedMigration, WorkerTemplate
+from torchpassd.planned import WORMHOLE_PORT_BASE, Deps, Plan, PlannedMigration, WorkerTemplate, joiner_port
 from torchpassd.registry import Registry
 
 PROC_TEXT = ("/venv/bin/python\n-u\n-m\ntorchpass._bootstrap\ntrain.py\n--steps\n50\n\n===\n"
@@ -55,15 +55,22 @@ def _migration(registry: Registry, plan: Plan) -> PlannedMigration:
     return PlannedMigration(deps, plan, "ab" * 16, detected_at=time.time())
 
 
-def test_joiner_takes_over_the_leaving_rank() -> None:
+def test_joiner_node_runs_the_leaving_nodes_script_in_as_many_workers() -> None:
     plan = Plan(job="7", source="n3", gen=1, rank=2, world_size=4, target="n5", store_host="n1", store_port=29500)
     argv = _migration(Registry(), plan)._joiner_argv(WorkerTemplate.parse(PROC_TEXT, job="7", node="n3"), 2, "n5")
     assert argv[:3] == ["/venv/bin/python", "-m", "launchpad"]
     assert argv[argv.index("--node") + 1] == "n5" and argv[argv.index("--config") + 1] == "/etc/tp.toml"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "n1:29500"
-    tail = argv[argv.index("--no-python") + 1:]
-    assert tail[0] == "/usr/bin/env" and "RANK=2" in tail and "WORLD_SIZE=4" in tail
-    assert tail[-5:] == ["-m", "torchpass._bootstrap", "train.py", "--steps", "50"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert argv[-3:] == ["train.py", "--steps", "50"]  # ranks and sources travel in the join plan (env)
+    module = PROC_TEXT.replace("torchpass._bootstrap\ntrain.py", "torchpass._bootstrap\n-m\npkg.train")
+    argv = _migration(Registry(), plan)._joiner_argv(WorkerTemplate.parse(module, job="7", node="n3"), 1, "n5")
+    assert argv[-4:] == ["--module", "pkg.train", "--steps", "50"]
+
+
+def test_joiner_ports_do_not_collide_for_eight_workers_over_many_generations() -> None:
+    ports = {joiner_port(WORMHOLE_PORT_BASE + gen, i) for gen in range(2, 150) for i in range(8)}
+    assert len(ports) == 148 * 8 and max(ports) < 32768  # below Linux's ephemeral port range
 
 
 def _heartbeat(node: str, step: int) -> protocol.Message:

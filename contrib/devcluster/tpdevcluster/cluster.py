@@ -167,6 +167,7 @@ def status(inst: Instance) -> dict[str, Any]:
         "up": bool(inst.nodes) and ctld and all(daemons_now.values()),
         "state_dir": str(inst.state_dir),
         "slurm_conf": str(inst.slurm_conf),
+        "torchpass_config": str(inst.torchpass_config),
         "broker": {"host": inst.bridge_addr, "port": inst.port("mosquitto"), "local_host": "127.0.0.1"},
         "slurmctld": {"host": inst.bridge_addr, "port": inst.port("slurmctld")},
         "nodes": nodes,

@@ -109,9 +109,19 @@ def slurmdbd_conf(inst: Instance, host: HostInfo) -> str:
     ]) + "\n"
 
 
-def plugstack_conf() -> str:
-    # `optional`: the cluster works before spank/torchpass.so is built.
-    return f"optional {REPO}/spank/torchpass.so shimdir={REPO}/spank/shim\n"
+def plugstack_conf(inst: Instance) -> str:
+    # `optional`: the cluster works before spank/torchpass.so is built. config= reaches every task of
+    # a --torchpass job as TORCHPASS_CONFIG, as /etc/torchpass/torchpass.toml would on a site.
+    return f"optional {REPO}/spank/torchpass.so config={inst.torchpass_config} shimdir={REPO}/spank/shim\n"
+
+
+def torchpass_toml(inst: Instance) -> str:
+    """The site's TorchPass config as an operator writes it: the broker, this cluster's Slurm, and
+    where torchpassd keeps its journal and socket (tests and the demo rewrite it with their own)."""
+    return (f'[broker]\nhost = "{inst.bridge_addr}"\nport = {inst.port("mosquitto")}\n'
+            f'[slurm]\nslurm_conf = "{inst.slurm_conf}"\n'
+            f'[orchestrator]\nstate_dir = "{inst.sub("torchpassd")}"\n'
+            f'control_socket = "{inst.run_dir / "torchpassd.sock"}"\nmetrics_port = 0\n')
 
 
 def mosquitto_conf(inst: Instance) -> str:
@@ -155,7 +165,8 @@ def write_all(inst: Instance, host: HostInfo) -> None:
     files = {
         "slurm.conf": slurm_conf(inst, host),
         "slurmdbd.conf": slurmdbd_conf(inst, host),
-        "plugstack.conf": plugstack_conf(),
+        "plugstack.conf": plugstack_conf(inst),
+        "torchpass.toml": torchpass_toml(inst),
         "mosquitto.conf": mosquitto_conf(inst),
         "hosts": hosts(inst, host),
         "resolv.conf": resolv_conf(),

@@ -75,6 +75,11 @@ class Instance:
         return self.etc / "slurm.conf"
 
     @property
+    def torchpass_config(self) -> Path:
+        """The site's torchpass.toml (the SPANK plugin's config= argument)."""
+        return self.etc / "torchpass.toml"
+
+    @property
     def log_dir(self) -> Path:
         return self.sub("log")
 
