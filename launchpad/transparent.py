@@ -179,13 +179,32 @@ class Transparent:
         return {"reasons": reasons, "registered": bool(link and link.registered), "pid": w.pid}
 
     async def checkpoint(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Detach the parked worker ``rank``, criu-dump it (pages to the spare's page server at
-        ``page_host:page_port``), and send the other images by the wormhole to ``host:port``. The
-        dumped worker stays stopped here until discard or resume_original. A failed dump leaves
-        it running here: it reconnects, still parked, and the ack is the error."""
-        rank, where = _int(args, "rank"), _where(self.agent, migration, rank=_int(args, "rank"))
-        page = (str(args.get("page_host")), _int(args, "page_port"))
-        dest = (str(args.get("host")), _int(args, "port"), bytes.fromhex(str(args.get("token", ""))))
+        """Move the parked workers named in ``moves`` ({rank, page_port, port}; or ``rank``,
+        ``page_port``, ``port`` for one), side by side: detach each, criu-dump it (pages to the
+        spare's page server at ``page_host``), and send its other images by the wormhole to
+        ``host``. A dumped worker stays stopped here until discard or resume_original. A failed dump
+        leaves that worker running here (reconnected, still parked) and the ack is the error."""
+        moves = _moves(args)
+        results = await asyncio.gather(*(self._checkpoint_one(m, args, migration) for m in moves),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for m, r in zip(moves, results, strict=True):  # the others go on here too
+                if not isinstance(r, BaseException):
+                    await self.resume_original({"rank": m["rank"]}, gen, migration)
+            raise failed[0]
+        if len(results) == 1:
+            return results[0]
+        return {"dump_s": max(r["dump_s"] for r in results), "frozen_s": max(r["frozen_s"] for r in results),
+                "image_bytes": sum(r["image_bytes"] for r in results),
+                "transfer_s": max(r["transfer_s"] for r in results),
+                "transfer_bytes": sum(r["transfer_bytes"] for r in results), "pid": [r["pid"] for r in results]}
+
+    async def _checkpoint_one(self, move: dict[str, int], args: dict[str, Any], migration: str) -> dict[str, Any]:
+        rank = move["rank"]
+        where = _where(self.agent, migration, rank=rank)
+        page = (str(args.get("page_host")), move["page_port"])
+        dest = (str(args.get("host")), move["port"], bytes.fromhex(str(args.get("token", ""))))
         link, w = self._worker(rank)
         if link is None or w.control is None:
             raise MigrationError("the worker is not movable or not connected", hint="see preflight", **where)
@@ -196,7 +215,7 @@ class Transparent:
         ctl_fd = _control_fd_of(w)
         pipes = {str(fd): name for fd, name in criu_spawn.stdio_pipes(w.pid).items()}  # msgpack: str keys
         resources = {"pipes": pipes, "control": os.readlink(f"/proc/{w.pid}/fd/{ctl_fd}")}
-        images = self.agent._tmp / f"dump-{migration[:12]}"
+        images = self.agent._tmp / f"dump-{migration[:12]}-{rank}"
         fault = os.environ.get(ENV_FAULT) == "dump"
         try:
             dumped = await asyncio.to_thread(runner.dump, w.pid, images, tcp_close=not fault, page_server=page,
@@ -205,14 +224,14 @@ class Transparent:
             self._tell(w, rank)  # criu left it running: back on this channel, still parked
             await self._reattached(w.pid, link, rank)
             raise MigrationError(f"criu dump failed, rank {rank} goes on here: {exc.message}", **where) from exc
-        self.originals[migration] = w
+        self.originals[_key(migration, rank)] = w
         t0 = time.monotonic()
         files = {f.name: File(f) for f in sorted(images.iterdir()) if f.is_file()}
         try:
             stats = await asyncio.to_thread(send_state, {"resources": resources, "files": files}, *dest,
                                             timeout=timeouts.reform, context=where)
         except TorchPassError as exc:
-            await self.resume_original({"rank": rank}, gen, migration)
+            await self.resume_original({"rank": rank}, 0, migration)
             raise MigrationError(f"sending the images failed, rank {rank} goes on here: {exc.message}",
                                  **where) from exc
         return {"dump_s": round(dumped.seconds, 4), "frozen_s": dumped.frozen_seconds,
@@ -220,59 +239,82 @@ class Transparent:
                 "transfer_bytes": stats.bytes, "pid": w.pid}
 
     async def discard(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """The move succeeded: kill the stopped original (its PID namespace goes with it)."""
-        w = self.originals.pop(migration, None)
-        if w is None:
-            return {"discarded": None}
-        w.moved = True
-        runner.discard_original(w.pid)
-        if w.control is not None:
-            os.close(w.control)
-            w.control = None
-        return {"discarded": w.pid}
+        """The move succeeded: kill the stopped originals of ``ranks`` (or ``rank``; their PID
+        namespaces go with them)."""
+        gone = []
+        for rank in _ranks(args):
+            w = self.originals.pop(_key(migration, rank), None)
+            if w is None:
+                continue
+            w.moved = True
+            runner.discard_original(w.pid)
+            if w.control is not None:
+                os.close(w.control)
+                w.control = None
+            gone.append(w.pid)
+        return {"discarded": (gone[0] if len(gone) == 1 else gone) if gone else None}
 
     async def resume_original(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """The move failed after the dump: let the stopped original go on here, reconnected and
-        still parked (it re-forms with the others). A no-op when it was never detached."""
-        w = self.originals.pop(migration, None)
-        if w is None:
-            return {"resumed": None}
-        old = self.agent.channel.links.get(w.pid)
-        runner.resume_original(w.pid)
-        self._tell(w, w.rank)
-        await self._reattached(w.pid, old, w.rank)
-        return {"resumed": w.pid}
+        """The move failed after the dump: let the stopped originals of ``ranks`` (or ``rank``) go on
+        here, reconnected and still parked (they re-form with the others). A no-op for one never
+        detached."""
+        resumed = []
+        for rank in _ranks(args):
+            w = self.originals.pop(_key(migration, rank), None)
+            if w is None:
+                continue
+            old = self.agent.channel.links.get(w.pid)
+            runner.resume_original(w.pid)
+            self._tell(w, w.rank)
+            await self._reattached(w.pid, old, w.rank)
+            resumed.append(w.pid)
+        return {"resumed": (resumed[0] if len(resumed) == 1 else resumed) if resumed else None}
 
     # ---- spare -----------------------------------------------------------------------------
     async def prepare_restore(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Before the dump: a criu page server on ``page_host:page_port`` and a wormhole receiver on
+        """Before the dump: for each of ``moves`` ({rank, page_port, port}; or ``page_port`` and
+        ``port`` for one) a criu page server on ``page_host:page_port`` and a wormhole receiver on
         ``port`` (``token``) for the other images."""
-        where = _where(self.agent, migration)
-        if migration in self.incoming:
-            return {"images": str(self.incoming[migration].images)}
-        images = self.agent._tmp / f"restore-{migration[:12]}"
         runner.become_subreaper()  # restored workers become this launchpad's children
+        images = {}
+        for move in _moves(args):
+            key = _key(migration, move["rank"])
+            if key not in self.incoming:
+                self.incoming[key] = await self._incoming(key, move, args, _where(self.agent, migration))
+            images[str(move["rank"])] = str(self.incoming[key].images)
+        return {"images": next(iter(images.values())) if len(images) == 1 else images}
+
+    async def _incoming(self, key: str, move: dict[str, int], args: dict[str, Any],
+                        where: dict[str, Any]) -> _Incoming:
+        migration, rank = key.split("/")
+        images = self.agent._tmp / f"restore-{migration[:12]}-{rank}"  # one directory per moving worker
         try:
             server = await asyncio.to_thread(runner.PageServer, images, str(args.get("page_host")),
-                                             _int(args, "page_port"), where=where)
+                                             move["page_port"], where=where)
         except (CriuFailed, CriuUnavailable) as exc:
             raise MigrationError(f"cannot receive the worker's pages: {exc.message}", **where) from exc
         try:
-            rx = StateReceiver("0.0.0.0", _int(args, "port"), bytes.fromhex(str(args.get("token", ""))),
+            rx = StateReceiver("0.0.0.0", move["port"], bytes.fromhex(str(args.get("token", ""))),
                                files_dir=images, context=where)
         except TorchPassError:
             server.stop()
             raise
-        state = asyncio.wrap_future(rx.start(self.agent.timeouts.decision))
-        self.incoming[migration] = _Incoming(images, server, state)
-        return {"images": str(images)}
+        return _Incoming(images, server, asyncio.wrap_future(rx.start(self.agent.timeouts.decision)))
 
     async def restore(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Restore the worker dumped for ``migration`` here as rank ``rank``, its output re-attached
-        to this launchpad, and wait until it has reconnected (parked, for the re-form)."""
-        rank = _int(args, "rank")
+        """Restore the workers dumped for ``migration`` here as ``ranks`` (or ``rank``), side by
+        side, their output re-attached to this launchpad, and wait until each has reconnected
+        (parked, for the re-form)."""
+        ranks = _ranks(args)
+        results = await asyncio.gather(*(self._restore_one(rank, local, migration) for local, rank in enumerate(ranks)))
+        if len(results) == 1:
+            return results[0]
+        return {"restore_s": max(r["restore_s"] for r in results), "pid": [r["pid"] for r in results],
+                "page_bytes": sum(r["page_bytes"] for r in results)}
+
+    async def _restore_one(self, rank: int, local_rank: int, migration: str) -> dict[str, Any]:
         where = _where(self.agent, migration, rank=rank)
-        inc = self.incoming.pop(migration, None)
+        inc = self.incoming.pop(_key(migration, rank), None)
         if inc is None:
             raise MigrationError("restore before prepare_restore", hint="torchpassd sends prepare_restore first",
                                  **where)
@@ -318,7 +360,7 @@ class Transparent:
         finally:
             for fd in fds:
                 os.close(fd)
-        w = workers.Worker(rank, 0, Adopted(restored.pid), control=ctl_w)
+        w = workers.Worker(rank, local_rank, Adopted(restored.pid), control=ctl_w)
         w.pumps = workers.pump_output(group.router, rank, w.local_rank, *streams)
         group.adopt(w)
         self._tell(w, rank)
@@ -329,6 +371,31 @@ class Transparent:
             raise
         log.get(**where).info("transparent.restored", pid=w.pid, seconds=round(restored.seconds, 4), pages=pages)
         return {"restore_s": round(restored.seconds, 4), "pid": w.pid, "page_bytes": pages}
+
+
+def _key(migration: str, rank: int) -> str:
+    """One worker's move within a migration (a node's several workers move in one migration)."""
+    return f"{migration}/{rank}"
+
+
+def _moves(args: dict[str, Any]) -> list[dict[str, int]]:
+    """``moves`` ({rank, page_port, port} each) or the one move given by ``rank``/``page_port``/``port``."""
+    raw = args.get("moves")
+    if raw is None:
+        return [{"rank": args.get("rank", -1), "page_port": _int(args, "page_port"), "port": _int(args, "port")}]
+    if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+        raise ProtocolError(f"'moves' must be a non-empty list of {{rank, page_port, port}} maps, got {raw!r}")
+    return [{k: _int(m, k) for k in ("rank", "page_port", "port")} for m in raw]
+
+
+def _ranks(args: dict[str, Any]) -> list[int]:
+    """``ranks`` (a list) or the one ``rank``."""
+    raw = args.get("ranks")
+    if raw is None:
+        return [_int(args, "rank")]
+    if not isinstance(raw, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in raw):
+        raise ProtocolError(f"'ranks' must be a list of ranks, got {raw!r}")
+    return raw
 
 
 def _int(args: dict[str, Any], name: str) -> int:

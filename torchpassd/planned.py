@@ -78,6 +78,8 @@ class Plan:
         for k, v in merged.items():
             if k in known:
                 setattr(plan, k, v)
+        if not plan.ranks and plan.rank >= 0:  # journaled before a move took a node's every rank
+            plan.ranks = [plan.rank]
         return plan
 
 

@@ -19,30 +19,34 @@ from torchpassd import journal as jn
 from torchpassd import planned
 
 MODE = "planned-transparent"
-PAGE_PORT_BASE = 29600  # the spare's criu page server listens on BASE + generation
+PAGE_PORT_BASE = 29500  # the spare's criu page server for local worker i: planned.joiner_port(BASE + generation, i)
 PREFLIGHT = "preflight"
 
 
 class TransparentMigration(planned.PlannedMigration):
-    """One criu move of ``plan.source``'s rank; ``run()`` drives it to an end."""
+    """One criu move of every worker of ``plan.source``; ``run()`` drives it to an end."""
 
     mode = MODE
 
     async def run(self) -> str:
         p = self.plan
-        ranks = self.view().ranks_on(p.source)
-        if len(ranks) != 1:
-            await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK,
-                             error=f"the leaving node runs ranks {ranks}; a transparent move takes exactly one")
+        p.ranks = self.view().ranks_on(p.source)
+        if not p.ranks:
+            await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK, error=f"{p.source} runs no rank of the job")
             return jn.ROLLED_BACK
-        p.rank = ranks[0]
-        try:
-            check = await self.send(p.source, "preflight", p.gen, {"rank": p.rank}, timeout=self.t.reform)
-        except TorchPassError as exc:
-            check = {"reasons": [f"preflight failed: {exc}"], "registered": False}
-        if check["reasons"]:
-            return await self._refused(check["reasons"], bool(check.get("registered")))
-        await self.phase(PREFLIGHT, pid=check.get("pid"))
+        p.rank = p.ranks[0]
+        reasons, registered, pids = [], True, []
+        for rank in p.ranks:
+            try:
+                check = await self.send(p.source, "preflight", p.gen, {"rank": rank}, timeout=self.t.reform)
+            except TorchPassError as exc:
+                check = {"reasons": [f"preflight failed: {exc}"], "registered": False}
+            reasons += [f"rank {rank}: {r}" for r in check["reasons"]] if len(p.ranks) > 1 else check["reasons"]
+            registered = registered and bool(check.get("registered"))
+            pids.append(check.get("pid"))
+        if reasons:
+            return await self._refused(reasons, registered)
+        await self.phase(PREFLIGHT, pid=pids[0] if len(pids) == 1 else pids)
         try:
             await self._prepare()
             await self._pause()
@@ -52,7 +56,7 @@ class TransparentMigration(planned.PlannedMigration):
         try:
             await self._hand_over()
         except TorchPassError as exc:
-            return await self._reform_back(f"moving rank {p.rank} to {p.target} failed: {exc}")
+            return await self._reform_back(f"moving ranks {p.ranks} to {p.target} failed: {exc}")
         return await self.finish()
 
     async def _refused(self, reasons: list[str], registered: bool) -> str:
@@ -120,13 +124,13 @@ class TransparentMigration(planned.PlannedMigration):
         spare; timed separately in the handed_over phase."""
         p = self.plan
         token = self.token.hex()
-        page_port = PAGE_PORT_BASE + p.new_gen
-        await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "page_port": page_port,
-                                                              "port": p.port, "token": token})
-        dump = await self.send(p.source, "checkpoint", p.gen, {
-            "rank": p.rank, "page_host": p.target_addr, "page_port": page_port, "host": p.target_addr,
-            "port": p.port, "token": token})
-        done = await self.send(p.target, "restore", p.gen, {"rank": p.rank})
+        moves = [{"rank": rank, "page_port": planned.joiner_port(PAGE_PORT_BASE + p.new_gen, i),
+                  "port": planned.joiner_port(p.port, i)} for i, rank in enumerate(p.ranks)]
+        await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "moves": moves,
+                                                              "token": token})
+        dump = await self.send(p.source, "checkpoint", p.gen, {  # the node's workers are dumped side by side
+            "moves": moves, "page_host": p.target_addr, "host": p.target_addr, "token": token})
+        done = await self.send(p.target, "restore", p.gen, {"ranks": p.ranks})
         await self.phase(planned.HANDED_OVER, dump_s=dump.get("dump_s"), frozen_s=dump.get("frozen_s"),
                          transfer_s=dump.get("transfer_s"), restore_s=done.get("restore_s"),
                          image_bytes=dump.get("image_bytes"), page_bytes=done.get("page_bytes"))
@@ -137,14 +141,14 @@ class TransparentMigration(planned.PlannedMigration):
         finish sends "exit" there once the new generation stands, but the original is stopped and
         off its channel by then (its copy runs on the spare)."""
         if cmd == "exit" and node == self.plan.source:
-            cmd, args = "discard", {"rank": self.plan.rank}
+            cmd, args = "discard", {"ranks": self.plan.ranks}
         return await super().send(node, cmd, gen, args, timeout)
 
     async def _reform_back(self, reason: str) -> str:
         """The move failed after the pause: the original (dumped and stopped, or resumed already
         by a failed dump) goes on in place, then planned's re-form back without the spare."""
         try:
-            await self.send(self.plan.source, "resume_original", self.plan.gen, {"rank": self.plan.rank},
+            await self.send(self.plan.source, "resume_original", self.plan.gen, {"ranks": self.plan.ranks},
                             timeout=self.t.reform)
         except TorchPassError as exc:
             self.log.error("migration.resume_original_failed", error=str(exc))

@@ -33,14 +33,15 @@ def _criu(criu: None) -> None:
 def test_drill_planned_transparent_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:
     assert "torchpass" not in SCRIPT.read_text().split('"""', 2)[2].lower()  # its code, past the docstring
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
-                          "--mode", "planned-transparent", "--json", "--steps", str(STEPS),
-                          "--step-sleep", str(STEP_SLEEP), "--timeout", "240"],
+                          "--mode", "planned-transparent", "--json", "--steps", str(STEPS), "--nodes", "3",
+                          "--nproc-per-node", "2", "--step-sleep", str(STEP_SLEEP), "--timeout", "240"],
                          capture_output=True, text=True, timeout=560)
     assert res.stdout.strip(), f"torchpassctl drill printed no report (rc={res.returncode}): {res.stderr[-3000:]}"
     report = json.loads(res.stdout)
     print(json.dumps({k: report[k] for k in ("ok", "pause_s", "detect_s", "lost_steps", "bit_identical", "move")}))
     assert res.returncode == 0, report
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["job_state"] == "COMPLETED" and len(report["moved_ranks"]) == 2, report
     assert report["mode"] == "planned-transparent" and report["migrated_to"] == "n5"
     assert report["resumed_at_step"] == report["expected_step"] > 0
     phases = {p["phase"] for p in report["timeline"]}

@@ -81,8 +81,8 @@ def test_refused_with_save_load_falls_back_to_the_model_aware_flow(tmp_path: Pat
 
 def test_the_source_worker_is_discarded_not_asked_to_exit(tmp_path: Path) -> None:
     mig, journal, commander = _migration(tmp_path, {"discard": {"discarded": 99}, "exit": {}})
-    mig.plan.rank, mig.plan.target = 2, "n5"
+    mig.plan.ranks, mig.plan.target = [2, 3], "n5"  # a node's every worker moved
     asyncio.run(mig.send("n3", "exit", 1))
     asyncio.run(mig.send("n5", "exit", 1))  # the spare's launchpad (dropping the target) still exits
-    assert commander.sent == [("n3", "discard", {"rank": 2}), ("n5", "exit", None)]
+    assert commander.sent == [("n3", "discard", {"ranks": [2, 3]}), ("n5", "exit", None)]
     journal.close()
