@@ -199,7 +199,7 @@ class _Daemon:
                 self.proc.wait(10)
 
 
-def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0) -> dict[str, Any]:
+def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, nproc: int = 1) -> dict[str, Any]:
     """One drill through torchpassctl drill's code, against a torchpassd of its own (one journal for
     all: torchpassd's spare pool still counts a spare used by an ended job's migration as taken, so
     a second drill in one daemon would wait for a spare); its report plus the hand-over's bytes."""
@@ -209,8 +209,9 @@ def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0) 
     if mode not in drillmod.MODES:
         return {"not_available": f"not available: this build's torchpassctl drill has no mode {mode!r} "
                                  f"(it has {', '.join(drillmod.MODES)})"}
-    settings = drillmod.DrillSettings(nodes=nodes, state_mib=state_mib, timeout=300.0)
-    _say(f"[recovery] drill {mode}" + (f" with {state_mib} MiB extra state per rank" if state_mib else ""))
+    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0)
+    _say(f"[recovery] drill {mode}, {nproc} rank(s) a node" +
+         (f", {state_mib} MiB extra state per rank" if state_mib else ""))
     daemon = _Daemon(cluster, work)
     try:
         rep = drillmod.run(daemon.cfg, mode, settings, say=_say)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,7 @@ class Commands:
         self.handlers: dict[str, Handler] = {
             "pause": self.pause, "save": self.save, "reform": self.reform, "resume": self.resume,
             "start_joiner": self.start_joiner, "abort": self.abort, "exit": self.exit,
-            "recover": self.recover,
+            "recover": self.recover, "notice": self.notice,
         }
         self.handlers.update(Transparent(agent).handlers)  # criu moves (--torchpass=transparent)
 
@@ -131,16 +132,27 @@ class Commands:
         return {"steps": steps}
 
     async def save(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Have worker ``rank`` save its state to ``dest`` (a file path or a wormhole peer)."""
-        rank, dest = _int_arg(args, "rank"), args.get("dest")
-        if not isinstance(dest, dict):
-            raise ProtocolError("save needs a 'dest' map ({'path': ...} or {'host', 'port', 'token'})")
-        link = next((lk for lk in self._links(include_joiners=False) if lk.rank == rank), None)
-        if link is None:
-            raise WorkerError("no running (non-joining) worker has this rank here", rank=rank, node=self.agent.node)
-        reply = await self.agent.channel.request(link, ac.message(ac.SAVE, dest=dest),
-                                                 lambda r: r["t"] == ac.SAVED, self.agent.timeouts.reform)
-        return {"bytes": reply["bytes"], "seconds": reply["seconds"]}
+        """Have worker ``rank`` save its state to ``dest`` (a file path or a wormhole peer); with
+        ``saves`` (a list of {rank, dest}) several workers of this node save at once, side by side."""
+        raw = args.get("saves", [{"rank": args.get("rank"), "dest": args.get("dest")}])
+        if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
+            raise ProtocolError(f"save's 'saves' must be a non-empty list of {{rank, dest}} maps, got {raw!r}")
+        links = {lk.rank: lk for lk in self._links(include_joiners=False)}
+        jobs = []
+        for item in raw:
+            rank, dest = _int_arg(item, "rank"), item.get("dest")
+            if not isinstance(dest, dict):
+                raise ProtocolError("save needs a 'dest' map ({'path': ...} or {'host', 'port', 'token'})")
+            if rank not in links:
+                raise WorkerError("no running (non-joining) worker has this rank here", rank=rank,
+                                  node=self.agent.node)
+            jobs.append(self.agent.channel.request(links[rank], ac.message(ac.SAVE, dest=dest),
+                                                   lambda r: r["t"] == ac.SAVED, self.agent.timeouts.reform))
+        replies = await asyncio.gather(*jobs)
+        ranks = {str(item["rank"]): {"bytes": r["bytes"], "seconds": r["seconds"]}
+                 for item, r in zip(raw, replies, strict=True)}
+        return {"bytes": sum(r["bytes"] for r in replies), "seconds": max(r["seconds"] for r in replies),
+                "ranks": ranks}
 
     async def reform(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Rebuild every worker's communicator as generation ``gen``; ``ranks`` maps old to new
@@ -217,6 +229,15 @@ class Commands:
                  for rank, r in replies.items()}
         return {"step": step, "ranks": ranks, "bytes": sum(r["bytes"] for r in ranks.values()),
                 "seconds": max(r["seconds"] for r in ranks.values())}
+
+    async def notice(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """Print torchpassd's ``text`` once into the job's output (launchpad's stderr is the task's):
+        what a user reads there when TorchPass cannot protect the job right now, and why."""
+        text = args.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ProtocolError(f"notice needs a non-empty 'text', got {text!r}")
+        print(f"torchpass: {' '.join(text.split())}", file=sys.stderr, flush=True)
+        return {}
 
     async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Start a worker that joins as ``rank``; acked once it has connected to the channel."""

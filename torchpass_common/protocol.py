@@ -25,6 +25,7 @@ HEARTBEAT, STATE, COMMAND, ACK, EVENT = "heartbeat", "state", "command", "ack", 
 KINDS = frozenset({HEARTBEAT, STATE, COMMAND, ACK, EVENT})
 COMMANDS = frozenset({"recover",  # unplanned: an interrupted survivor donates its state, re-enters, loads
                       "pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
+                      "notice",  # a line for the job's own output: why it is not protected right now
                       # transparent (criu) moves: launchpad/transparent.py
                       "preflight", "prepare_restore", "checkpoint", "restore", "discard", "resume_original"})
 

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -104,34 +105,53 @@ class Orchestrator:
         for (job, node), (seen, reason) in list(self.pending.items()):
             if job in self.active or self.unplanned.waits(job) or self.retry_at.get((job, node), 0) > now:
                 continue
-            why = self._blocked(job, node)
+            why, lasting = self._blocked(job, node)
             view = self.d.registry.job(job)
             if why:
                 if view.blocked != why:
                     self.log.warning("migration.blocked", job=job, node=node, why=why)
                     asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.blocked",
                                                           job_id=job, detail={"node": node, "why": why}))
+                    if lasting:
+                        asyncio.create_task(self.tell_job(job, f"job {job} is not protected right now: {why}"))
                 view.blocked = why
                 continue
             view.blocked = ""
             self._spawn(job, self._migrate(job, node, seen, reason))
 
-    def _blocked(self, job: str, node: str) -> str:
+    def _blocked(self, job: str, node: str) -> tuple[str, bool]:
+        """Why the migration of ``job`` off ``node`` cannot start now ("" when it can), and whether
+        that lasts beyond the next poll (then the job's user is told, in the job's output)."""
         view = self.d.registry.jobs.get(job)
         if view is None or not view.user:
-            return "job not (yet) seen in Slurm"
+            return "job not (yet) seen in Slurm", False
         if node == view.batch_host:
-            return f"{node} is the batch host of job {job}; Slurm cannot release it (keep ranks off it)"
+            return f"{node} is the batch host of job {job}; Slurm cannot release it (keep ranks off it)", True
         lp = view.launchpads.get(node)
         if lp is None or not lp.online or not lp.workers:
-            return f"waiting for the launchpad on {node} to report its ranks"
+            return f"waiting for the launchpad on {node} to report its ranks", False
         if self.watcher.last is None:
-            return "waiting for the first Slurm poll"
+            return "waiting for the first Slurm poll", False
         spares = self.d.pool.list(self.watcher.last)
         if not any(s.available for s in spares):
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
-            return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears"
-        return ""
+            return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears", True
+        return "", False
+
+    async def tell_job(self, job: str, text: str) -> None:
+        """Put ``text`` once into the job's output: through one launchpad of the job (the batch
+        host's when it runs one), whose stderr is the job's. Best effort: a failure is only logged."""
+        view = self.d.registry.jobs.get(job)
+        online = sorted(n for n, lp in (view.launchpads.items() if view else ()) if lp.online)
+        if not online:
+            return
+        node = view.batch_host if view.batch_host in online else online[0]
+        try:
+            await self.d.commander.send(job, node, "notice", migration=f"notice-{uuid.uuid4().hex[:12]}",
+                                        gen=view.launchpads[node].gen, args={"text": text},
+                                        timeout=self.d.cfg.timeouts.reform)
+        except TorchPassError as exc:
+            self.log.warning("job.notice_failed", job=job, node=node, error=str(exc))
 
     def _spawn(self, job: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"migration-{job}")

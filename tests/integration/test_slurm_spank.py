@@ -64,13 +64,14 @@ def test_torchpass_job_gets_mode_no_kill_marker_and_shim(devcluster: DevCluster,
     devcluster.reset()
     job, out = submit(devcluster, torchpass_conf, """
 echo "batch TORCHPASS=$TORCHPASS SPARES=$TORCHPASS_SPARES NO_KILL=$SLURM_NO_KILL"
-srun -N2 bash -c 'echo "step $(hostname) TORCHPASS=$TORCHPASS shims=$(echo "$PATH" | tr : "\\n" | grep -c "^{shim}$") torchrun=$(command -v torchrun)"'
+srun -N2 bash -c 'echo "step $(hostname) TORCHPASS=$TORCHPASS shims=$(echo "$PATH" | tr : "\\n" | grep -c "^{shim}$") torchrun=$(command -v torchrun) config=$TORCHPASS_CONFIG"'
 """.replace("{shim}", SHIM), "--torchpass=aware", "--torchpass-spares=1", "-N2", "--comment", "nightly")
     devcluster.wait_job_state(job, "COMPLETED", timeout=60)
     text = out.read_text()
     assert "batch TORCHPASS=aware SPARES=1 NO_KILL=set" in text
     steps = sorted(line for line in text.splitlines() if line.startswith("step "))
-    assert steps == [f"step {n} TORCHPASS=aware shims=1 torchrun={SHIM}/torchrun" for n in ("n1", "n2")]
+    site = devcluster.info["torchpass_config"]  # plugstack.conf's config=: the job script sets nothing
+    assert steps == [f"step {n} TORCHPASS=aware shims=1 torchrun={SHIM}/torchrun config={site}" for n in ("n1", "n2")]
     seen = CommandClient(SlurmRunner(devcluster.slurm_conf)).job(int(job))
     assert seen is not None and seen.comment == "torchpass:mode=aware,spares=1 nightly"
     assert seen.torchpass == TorchPassFlags(mode="aware", spares=1)

@@ -96,3 +96,10 @@ def test_broker_option_overrides_the_config() -> None:
     b = cli.with_broker(base, "10.77.4.1:20483").broker
     assert (b.host, b.port, b.keepalive) == ("10.77.4.1", 20483, 3)
     assert cli.with_broker(base, "ctl").broker.port == 1884
+
+
+def test_a_torchpass_task_reports_to_its_slurm_job_and_a_plain_one_to_none() -> None:
+    slurm = {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "n3"}
+    assert spec.torchpass_job({**slurm, "TORCHPASS": "aware"}) == "42"  # the SPANK plugin marked the task
+    assert spec.torchpass_job(slurm) is None  # launchpad run by hand inside a job without --torchpass
+    assert spec.torchpass_job({"TORCHPASS": "auto"}) is None  # not under Slurm

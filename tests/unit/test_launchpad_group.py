@@ -5,13 +5,18 @@ orchestrator told the workers to exit (the local exit code wins: the node failed
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from launchpad import workers
-from launchpad.group import Outcome, WorkerGroup
+from launchpad.group import Outcome, WorkerGroup, join_plan
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
+from torchpass_common import agent_channel
+from torchpass_common.errors import WorkerError
 
 MEMBERSHIP = Membership(round=0, node_rank=0, nnodes=2, rank_offset=0, local_world_size=1, world_size=2,
                         store_host="127.0.0.1", store_port=1)
@@ -62,3 +67,49 @@ def test_a_worker_told_to_exit_is_the_nodes_outcome_not_the_other_nodes_report(t
 def test_a_worker_told_to_exit_that_succeeds_leaves_the_remote_failure(tmp_path: Path) -> None:
     out = supervise(tmp_path, "import time; time.sleep(0.5)", told_to_exit=True, remote="n1: lost")
     assert (out.ok, out.failed, out.remote) == (False, None, "n1: lost")
+
+
+def test_a_joining_node_starts_each_worker_as_the_rank_it_takes_over(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """torchpassd's join plan: local worker i becomes ranks[i] with torchrun's environment for that
+    place (node rank, sizes) and only its own state source; the plan itself (tokens) stays out."""
+    plan = {"ranks": [6, 7], "world_size": 8, "group_rank": 3, "group_world_size": 4,
+            "sources": [{"listen_host": "0.0.0.0", "port": 29402 + 200 * i, "token": "ab"} for i in range(2)]}
+    monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, json.dumps(plan))
+    script = tmp_path / "worker.py"
+    script.write_text("import json, os, sys\n"
+                      "keys = ['RANK', 'LOCAL_RANK', 'GROUP_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_WORLD_SIZE',"
+                      " 'TORCHPASS_JOIN', 'TORCHPASS_JOIN_SOURCE', 'TORCHPASS_JOIN_PLAN']\n"
+                      f"open({str(tmp_path)!r} + '/w' + os.environ['LOCAL_RANK'], 'w')"
+                      ".write(json.dumps({k: os.environ.get(k) for k in keys}))\n")
+    spec = LaunchSpec(entrypoint=sys.executable, args=(str(script),), no_python=True, nproc_per_node=2)
+    m = Membership(round=0, node_rank=0, nnodes=1, rank_offset=0, local_world_size=2, world_size=2,
+                   store_host="127.0.0.1", store_port=1)
+
+    async def main() -> Outcome:
+        group = WorkerGroup(spec, m, restarts=0, socket_path=str(tmp_path / "agent.sock"))
+        await group.start()
+
+        async def no_failure() -> None:
+            return None
+        try:
+            return await asyncio.wait_for(group.supervise(asyncio.Event(), lambda: None, no_failure, 0.05), 30)
+        finally:
+            await group.stop()
+
+    assert asyncio.run(main()).ok
+    seen = [json.loads((tmp_path / f"w{i}").read_text()) for i in range(2)]
+    for i, env in enumerate(seen):
+        assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(6 + i), str(i), "3")
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("8", "2", "4")
+        assert env["TORCHPASS_JOIN"] == "1" and json.loads(env["TORCHPASS_JOIN_SOURCE"]) == plan["sources"][i]
+        assert env["TORCHPASS_JOIN_PLAN"] is None
+
+
+def test_a_join_plan_that_does_not_fit_is_refused_clearly(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, json.dumps({"ranks": [6], "world_size": 8, "group_rank": 3,
+                                                                "group_world_size": 4, "sources": [{}]}))
+    with pytest.raises(WorkerError, match="not a join plan for 2 workers"):
+        join_plan(2)
+    monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, "{not json")
+    with pytest.raises(WorkerError, match="not a join plan"):
+        join_plan(1)

@@ -1,0 +1,24 @@
+"""bench ranks' arithmetic: each rank count's pause over the 1-rank pause of the same run, and a
+run that measured nothing is reported as such, never as a number."""
+
+from __future__ import annotations
+
+from bench.ranks import markdown, summarise
+
+
+def test_ratios_are_against_the_one_rank_pause_of_the_same_run() -> None:
+    raw = {"state_mib": 256, "nodes": 2, "runs": {
+        "1": {"pause_s": 2.0, "bytes": 10}, "2": {"pause_s": 2.4, "bytes": 20}, "4": {"pause_s": 3.1, "bytes": 40}}}
+    res = summarise(raw)
+    assert (res["ratio_2"], res["ratio_4"]) == (1.2, 1.55)
+    assert res["pause_s_4"] == 3.1 and res["bytes_4"] == 40
+    table = markdown(res)
+    assert "| 1 | 2.0 | 10 | 1 (baseline) |" in table and "| 4 | 3.1 | 40 | 1.55 |" in table
+
+
+def test_an_unmeasured_run_has_no_ratio_and_says_why() -> None:
+    raw = {"state_mib": 4096, "nodes": 2, "runs": {
+        "1": {"pause_s": 2.0}, "4": {"not_available": "skipped: does not fit in memory"}}}
+    res = summarise(raw)
+    assert res["ratio_4"] is None and res["pause_s_4"] is None
+    assert res["note_4"] == "skipped: does not fit in memory"
