@@ -194,17 +194,24 @@ class Flow:
         pid = next(w["pid"] for w in lp.workers if w["rank"] == rank)
         script = (f"tr '\\0' '\\n' </proc/{pid}/cmdline; echo; echo ===; tr '\\0' '\\n' </proc/{pid}/environ; "
                   f"echo; echo ===; readlink /proc/{pid}/cwd")
-        proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), node, ["sh", "-c", script],
+        rc, out, err = await self._node_shell(node, script, self.d.cfg.slurm.command_timeout,
+                                              f"reading rank {rank}'s command line on {node}")
+        if rc != 0:
+            raise MigrationError(f"cannot read rank {rank}'s command line on {node}: {err.strip()}", **self.where)
+        return WorkerTemplate.parse(out, job=p.job, node=node)
+
+    async def _node_shell(self, node: str, script: str, timeout: float, what: str) -> tuple[int, str, str]:
+        """Run ``script`` (sh) on ``node`` as a step of the job: (exit code, stdout, stderr).
+        MigrationError when it does not end within ``timeout`` seconds (it is killed)."""
+        proc = await asyncio.to_thread(self.d.resizer.start_step, int(self.plan.job), node, ["sh", "-c", script],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            out, err = await asyncio.to_thread(proc.communicate, timeout=self.d.cfg.slurm.command_timeout)
+            out, err = await asyncio.to_thread(proc.communicate, timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             await asyncio.to_thread(proc.wait)
-            raise MigrationError(f"reading rank {rank}'s command line on {node} timed out", **self.where) from None
-        if proc.returncode != 0:
-            raise MigrationError(f"cannot read rank {rank}'s command line on {node}: {err.strip()}", **self.where)
-        return WorkerTemplate.parse(out, job=p.job, node=node)
+            raise MigrationError(f"{what} timed out", **self.where) from None
+        return proc.returncode, out, err
 
     def _joiner_argv(self, tpl: WorkerTemplate, nproc: int, target: str) -> list[str]:
         """launchpad on ``target`` running ``tpl``'s script in ``nproc`` joining workers (their ranks
@@ -430,19 +437,12 @@ class PlannedMigration(Flow):
         script = f"i=0; while [ -e /proc/{pid} ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; " \
                  f"[ ! -e /proc/{pid} ]"
         try:
-            proc = await asyncio.to_thread(self.d.resizer.start_step, int(self.plan.job), node, ["sh", "-c", script],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            rc, _, err = await self._node_shell(node, script, self.t.reform + self.d.cfg.slurm.command_timeout,
+                                                f"waiting for launchpad {pid} on {node} to end")
         except TorchPassError as exc:
             self.log.warning("migration.source_exit_unknown", pid=pid, error=str(exc))
             return
-        try:
-            _, err = await asyncio.to_thread(proc.communicate, timeout=self.t.reform + self.d.cfg.slurm.command_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
-            self.log.warning("migration.source_exit_unknown", pid=pid, error="the step looking for it hung")
-            return
-        if proc.returncode != 0:
+        if rc != 0:
             self.log.warning("migration.source_still_running", pid=pid, error=err.strip())
 
     async def roll_back(self, reason: str) -> None:
