@@ -152,11 +152,31 @@ class JobResizer:
         with tempfile.TemporaryDirectory() as cwd:
             self.runner.run(["scontrol", "update", f"jobid={job_id}", f"NodeList={hostlist.compress(keep)}"],
                             cwd=cwd, job=job_id, node=node)
-        job = self._settle(job_id, f"releasing {node}", lambda j: node not in j.nodes)
+        return self._left(job_id, node, "releasing", "slurm.node_released")
+
+    def evict_node(self, job_id: int, node: str, reason: str) -> Job:
+        """Take a dead ``node`` out of job ``job_id`` the way Slurm takes a failed node: set it DOWN
+        (with ``reason``), so slurmctld removes it from the --no-kill job and tells the job's sruns
+        that its tasks are gone ("Node failure"; srun still exits 0 when every other task did). A
+        shrink instead would leave srun waiting for the dead node's tasks for ever. The node stays
+        DOWN until an operator resumes it. The batch host cannot leave (a Slurm rule)."""
+        job = self._job(job_id)
+        if node not in job.nodes:
+            return job
+        if node == job.batch_host:
+            raise SlurmError(f"{node} is the batch host of job {job_id}; Slurm ends the job with it",
+                             job=job_id, node=node, hint="keep training ranks off the batch host")
+        self.runner.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"],
+                        job=job_id, node=node)
+        return self._left(job_id, node, "evicting", "slurm.node_evicted")
+
+    def _left(self, job_id: int, node: str, doing: str, event: str) -> Job:
+        """Until ``node`` is out of the job; remembered for the re-join guard."""
+        job = self._settle(job_id, f"{doing} {node}", lambda j: node not in j.nodes)
         now = time.monotonic()
         self._released = {k: t for k, t in self._released.items() if now - t < REJOIN_GUARD_S}
         self._released[(job_id, node)] = now
-        log.get(job=job_id).info("slurm.node_released", node=node, nodes=hostlist.compress(job.nodes))
+        log.get(job=job_id).info(event, node=node, nodes=hostlist.compress(job.nodes))
         return job
 
     def start_step(self, job_id: int, node: str, argv: Sequence[str], *, mode: str = "auto",

@@ -229,13 +229,17 @@ class Flow:
     def _step_key(self, target: str) -> str:
         return f"{self.id}/{target}"
 
-    async def _start_joiner(self, tpl: WorkerTemplate, ranks: list[int], target: str, target_addr: str) -> None:
+    async def _start_joiner(self, tpl: WorkerTemplate, ranks: list[int], target: str, target_addr: str, *,
+                            group_rank: int | None = None) -> None:
         """Start launchpad and one joining worker per rank of ``ranks`` on ``target`` (a job step; the
         wormhole tokens travel in its environment, never on a command line or in a log) and wait
-        until every one of them listens for its state."""
+        until every one of them listens for its state. ``group_rank``: the node rank the joiners take
+        (default: that of ``tpl``, read from the leaving node's worker)."""
         p = self.plan
         ports = [joiner_port(p.port, i) for i in range(len(ranks))]
-        plan = {"ranks": ranks, "world_size": p.world_size, "group_rank": int(tpl.env.get("GROUP_RANK", 0)),
+        if group_rank is None:
+            group_rank = int(tpl.env.get("GROUP_RANK", 0))
+        plan = {"ranks": ranks, "world_size": p.world_size, "group_rank": group_rank,
                 "group_world_size": int(tpl.env.get("GROUP_WORLD_SIZE", 1)),
                 "sources": [{"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()} for port in ports]}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)

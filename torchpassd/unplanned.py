@@ -21,7 +21,16 @@ from torchpass_common.errors import MigrationError, TorchPassError
 from torchpassd import journal as jn
 from torchpassd import planned
 from torchpassd.failure_detect import INTERRUPTED, Death, FailureDetector
-from torchpassd.planned import JOINER_READY, SPARE_ADDED, SPARE_CHOSEN, WORMHOLE_PORT_BASE, Deps, Flow, Plan
+from torchpassd.planned import (
+    JOINER_READY,
+    SPARE_ADDED,
+    SPARE_CHOSEN,
+    WORMHOLE_PORT_BASE,
+    Deps,
+    Flow,
+    Plan,
+    joiner_port,
+)
 
 MODE = "unplanned-aware"
 LAG_PORT_OFFSET = 50  # a lagging survivor listens for the donor's state on port + this
@@ -33,7 +42,7 @@ BEFORE_RECOVER = (planned.REQUESTED, DETECTED, SPARE_CHOSEN, SPARE_ADDED, JOINER
 @dataclass
 class UnplannedPlan(Plan):
     """What one recovery decided so far (journaled with every phase; never the token). ``seats``:
-    one per lost rank, {node, rank, target, target_addr}; ``steps``: completed steps per surviving
+    one per lost node, {node, ranks (rank: the first), target, target_addr}; ``steps``: completed steps per surviving
     rank at the interruption; ``resume_step``: the step that failed (the most advanced survivor's)."""
 
     seats: list[dict[str, Any]] = field(default_factory=list)
@@ -142,14 +151,13 @@ class UnplannedRecovery(Flow):
             raise MigrationError(f"the batch host {death.node} died; Slurm ends the job with it",
                                  hint="keep training ranks off the batch host, or restart from a checkpoint",
                                  **self.where)
-        if len(death.ranks) != 1:
-            raise MigrationError(f"{death.node} ran ranks {list(death.ranks)}; recovery replaces exactly one per node",
-                                 hint="run one worker per node (--nproc-per-node 1)", **self.where)
+        if not death.ranks:
+            raise MigrationError(f"{death.node} ran no rank of the job: nothing to rebuild", **self.where)
         survivors = self._survivors()
         if not survivors:
             raise MigrationError("no surviving node holds a replica of the lost rank's state",
                                  hint="fall back to the job's last checkpoint", **self.where)
-        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0]}
+        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks)}
         p.seats.append(seat)
         p.survivors = survivors
         async with self._slurm:
@@ -157,7 +165,7 @@ class UnplannedRecovery(Flow):
             if not p.target:
                 p.target, p.rank, p.target_addr = seat["target"], seat["rank"], seat["target_addr"]
             p.port = WORMHOLE_PORT_BASE + p.new_gen
-            await self.phase(SPARE_CHOSEN, dead=death.node, rank=seat["rank"], spare=seat["target"])
+            await self.phase(SPARE_CHOSEN, dead=death.node, ranks=seat["ranks"], spare=seat["target"])
             await self._add_spare_to_job(seat["target"])
             await self.phase(SPARE_ADDED, spare=seat["target"])
         donor = survivors[0]
@@ -166,7 +174,9 @@ class UnplannedRecovery(Flow):
         if tpl.env["MASTER_ADDR"] in p.dead:
             raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
                                  hint="restart the job from its last checkpoint", **self.where)
-        await self._start_joiner(tpl, seat["rank"], seat["target"], seat["target_addr"])
+        # torchrun numbers a node's ranks node_rank * nproc + local_rank: the dead node's place
+        await self._start_joiner(tpl, seat["ranks"], seat["target"], seat["target_addr"],
+                                 group_rank=seat["ranks"][0] // len(seat["ranks"]))
         await self.phase(JOINER_READY, spare=seat["target"])
 
     async def _seat_all(self, deaths: list[Death]) -> None:
@@ -278,24 +288,27 @@ class UnplannedRecovery(Flow):
                          laggards=p.laggards)
 
     def recover_args(self, addrs: dict[str, str]) -> dict[str, dict[str, Any]]:
-        """The `recover` command for each survivor: donors stream a lost rank's state to its
-        joiner (and the first donor to the laggards, who listen for it); all re-enter the script."""
+        """The `recover` command for each survivor: donors stream each lost rank's state to its
+        joiner (and the first donor to the lagging ranks, who listen for it); all re-enter the script."""
         p = self.plan
         base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.seats)}
         args = {n: dict(base) for n in p.survivors}
         leaders = [p.donor, *[n for n in p.survivors if n not in p.laggards and n != p.donor]]
         token = self.token.hex()
-        for i, seat in enumerate(p.seats):  # spread lost ranks over the survivors at the step (DDP replicas)
-            donor = leaders[i % len(leaders)]
-            args[donor].setdefault("donate", []).append(
-                {"rank": seat["rank"], "dest": {"host": seat["target_addr"], "port": p.port, "token": token}})
+        lost = [(seat, i, rank) for seat in p.seats for i, rank in enumerate(seat.get("ranks") or [seat["rank"]])]
+        for k, (seat, i, rank) in enumerate(lost):  # spread lost ranks over the survivors at the step (DDP replicas)
+            args[leaders[k % len(leaders)]].setdefault("donate", []).append(
+                {"rank": rank, "dest": {"host": seat["target_addr"], "port": joiner_port(p.port, i), "token": token}})
         view = self.view()
         for lag in p.laggards:
-            port = p.port + LAG_PORT_OFFSET
-            args[lag]["load_from"] = {"listen_host": "0.0.0.0", "port": port, "token": token}
+            behind = [r for r in view.ranks_on(lag) if p.steps.get(str(r), p.resume_step) < p.resume_step]
+            sources = {str(r): {"listen_host": "0.0.0.0", "port": joiner_port(p.port + LAG_PORT_OFFSET, j),
+                                "token": token} for j, r in enumerate(behind)}
+            args[lag]["load_from"] = sources
             addr = addrs.get(lag) or lag
-            args[p.donor].setdefault("donate", []).append(
-                {"rank": view.ranks_on(lag)[0], "dest": {"host": addr, "port": port, "token": token}})
+            for r in behind:
+                args[p.donor].setdefault("donate", []).append(
+                    {"rank": r, "dest": {"host": addr, "port": sources[str(r)]["port"], "token": token}})
         for a in args.values():
             if len(a.get("donate", ())) == 1:
                 a["donate"] = a["donate"][0]  # the contract's single form
@@ -329,11 +342,12 @@ class UnplannedRecovery(Flow):
             pause_s = p.resumed_at - p.failed_at
             await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.resume_step)
             problems = []
-            for node in p.dead:
+            for node in p.dead:  # DOWN, as Slurm takes a failed node: the user's srun is told its tasks are gone
                 try:
-                    await asyncio.to_thread(self.d.resizer.release_node, int(p.job), node)
+                    await asyncio.to_thread(self.d.resizer.evict_node, int(p.job), node,
+                                            f"torchpass: died in job {p.job}; its ranks were rebuilt on a spare")
                 except TorchPassError as exc:  # the job runs on; the node stays allocated (and dead)
-                    problems.append(f"releasing {node}: {exc}")
+                    problems.append(f"evicting {node}: {exc}")
         except TorchPassError as exc:
             return await self.fail(str(exc))
         self.d.metrics.migration_pause_seconds.observe(pause_s)

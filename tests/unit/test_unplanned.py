@@ -23,7 +23,7 @@ from torchpass_common.errors import MigrationError, SlurmError
 from torchpassd import journal as jn
 from torchpassd.failure_detect import Death
 from torchpassd.metrics import Metrics
-from torchpassd.planned import WORMHOLE_PORT_BASE, Deps
+from torchpassd.planned import WORMHOLE_PORT_BASE, Deps, joiner_port
 from torchpassd.registry import Registry
 from torchpassd.unplanned import MODE, UnplannedPlan, UnplannedRecovery, choose_donor
 
@@ -68,6 +68,7 @@ class FakeSlurm:
         self.port = port
         self.added: list[str] = []
         self.released: list[str] = []
+        self.evicted: list[str] = []  # dead nodes set DOWN (Slurm's failed-node path: srun is told)
         self.settled_nodes: list[str] = []
         self.client = self
         self.listeners: list[socket.socket] = []
@@ -97,6 +98,10 @@ class FakeSlurm:
 
     def release_node(self, job: int, node: str) -> None:
         self.released.append(node)
+
+    def evict_node(self, job: int, node: str, reason: str) -> None:
+        assert "died" in reason  # what an operator reads on the DOWN node
+        self.evicted.append(node)
 
     def start_step(self, job: int, node: str, argv: list[str], **kw: Any) -> FakeProc:
         if argv[0] == "sh":
@@ -203,12 +208,12 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     donations = recover["n2"]["donate"]  # n2: the lowest rank at step 42 donates to the joiner and to n1
     assert [d["rank"] for d in donations] == [2, 0]
     assert donations[0]["dest"]["port"] == w.port and donations[0]["dest"]["host"] == "127.0.0.1"
-    assert recover["n1"]["load_from"]["port"] == donations[1]["dest"]["port"]
+    assert recover["n1"]["load_from"]["0"]["port"] == donations[1]["dest"]["port"]  # rank 0 lags
     assert "donate" not in recover["n4"] and "load_from" not in recover["n4"]
     first_reform = cmds.index(next(c for c in cmds if c[1] == "reform"))
     assert all(c[1] == "recover" for c in cmds[:first_reform])
     assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
-    assert w.slurm.added == ["n5"] and w.slurm.released == ["n3"]
+    assert w.slurm.added == ["n5"] and w.slurm.evicted == ["n3"] and not w.slurm.released
     assert w.slurm.settled_nodes == ["n5"]  # in the job now: Slurm guards it, the pool forgets its mark
     mig = w.journal.history()[0]
     assert mig.mode == MODE and mig.status == jn.SUCCEEDED and mig.target == "n5"
@@ -223,6 +228,34 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     text = json.dumps([p.detail for p in mig.phases]) + json.dumps(w.events)
     assert donations[0]["dest"]["token"] not in text
     assert 'torchpass_migrations_total{mode="unplanned-aware",outcome="succeeded"} 1' in w.metrics.render()
+    w.close()
+
+
+def test_every_rank_of_a_dead_node_gets_its_own_joiner_and_each_lagging_rank_its_source(tmp_path: Path) -> None:
+    """Two ranks a node: the dead node's ranks 4 and 5 are donated to the two joiners on the spare
+    (one port each); on the lagging node only the rank that lags loads the donor's state."""
+    w = World(tmp_path, ["n5"])
+
+    async def setup() -> UnplannedRecovery:
+        await w.registry.update_job("7", nodes=("n1", "n2", "n3"), user="u", batch_host="n1")
+        for n, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+            body = {"node": n, "seq": 1, "workers": [{"rank": r, "step": 42, "state": "interrupted", "pid": 100 + r}
+                                                     for r in ranks]}
+            await w.registry.on_message(n, protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1,
+                                                                           body=body)))
+        return w.recovery()
+    rec = asyncio.run(setup())
+    p = rec.plan
+    p.seats = [{"node": "n3", "rank": 4, "ranks": [4, 5], "target": "n5", "target_addr": "10.0.0.5"}]
+    p.survivors, p.donor, p.laggards, p.resume_step, p.port = ["n1", "n2"], "n2", ["n1"], 42, 29402
+    p.steps = {"0": 41, "1": 42, "2": 42, "3": 42}
+    args = rec.recover_args({"n1": "10.0.0.1"})
+    gifts = {d["rank"]: d["dest"] for d in args["n2"]["donate"]}
+    assert (gifts[4]["host"], gifts[4]["port"]) == ("10.0.0.5", joiner_port(29402, 0))
+    assert (gifts[5]["host"], gifts[5]["port"]) == ("10.0.0.5", joiner_port(29402, 1))
+    assert set(args["n1"]["load_from"]) == {"0"} and gifts[0]["host"] == "10.0.0.1"  # rank 1 is at the step
+    assert args["n1"]["load_from"]["0"]["port"] == gifts[0]["port"] and "donate" not in args["n1"]
+    assert args["n2"]["lost_nodes"] == 1
     w.close()
 
 
@@ -247,7 +280,7 @@ def test_second_death_before_the_hand_over_is_recovered_too(tmp_path: Path) -> N
     recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
     assert set(recover) == {"n1", "n2"}
     assert recover["n1"]["donate"]["rank"] == 2 and recover["n2"]["donate"]["rank"] == 3
-    assert sorted(w.slurm.added) == ["n5", "n6"] and sorted(w.slurm.released) == ["n3", "n4"]
+    assert sorted(w.slurm.added) == ["n5", "n6"] and sorted(w.slurm.evicted) == ["n3", "n4"]
     w.close()
 
 
@@ -340,7 +373,7 @@ def test_restart_after_the_hand_over_drives_forward(tmp_path: Path) -> None:
             {"node": "n3", "rank": 2, "target": "n5", "target_addr": "127.0.0.1"}], 42, True
         return await resume_after_restart(rec, "recovered")
     assert asyncio.run(go()) == jn.SUCCEEDED
-    assert [c for _, c, _, _ in w.commander.sent].count("reform") == 4 and w.slurm.released == ["n3"]
+    assert [c for _, c, _, _ in w.commander.sent].count("reform") == 4 and w.slurm.evicted == ["n3"]
     w.close()
 
 

@@ -1,0 +1,132 @@
+"""Jobs as users submit them: ``sbatch --torchpass`` of a script whose only TorchPass-related part
+is the flag, an unchanged ``srun torchrun`` with several ranks a node. After a migration the job
+ends COMPLETED 0:0 (so ``--dependency=afterok`` chains go on), every rank of the node moved, the
+parameters are bit-identical to an undisturbed run, and the job's output holds each rank's
+progress lines exactly once (after a node died, the step that failed is replayed and may print twice)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Daemon, Training, assert_bit_identical
+from tests.support.devcluster import DevCluster
+from torchpassd.drill import EXAMPLE, DrillReport, read_log
+from torchpassd.drill_transparent import SCRIPT as TUTORIAL
+from torchpassd.drill_unplanned import judge
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
+
+STEPS, STEP_SLEEP = 150, 0.2
+NODES, NPROC = 3, 2
+PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)
+
+
+def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+    """The same training on ``world`` ranks without any failure (launchpad on this machine)."""
+    log = workdir / "reference.log"
+    log.unlink(missing_ok=True)
+    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(world),
+                    str(script), "--steps", str(STEPS), "--log", str(log)], check=True, timeout=600,
+                   capture_output=True)
+    return read_log(log)
+
+
+def sacct_state(devcluster: DevCluster, job: str) -> str:
+    """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``)."""
+    out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
+    return " ".join(out.strip().splitlines()[-1].split("|"))
+
+
+def assert_every_line_once(job: Training) -> None:
+    """The job's output holds each rank's progress line for each step exactly once (the moved
+    ranks' lines after the migration too), and no task of the job was reported failed."""
+    out = job.out.read_text()
+    lines = Counter((int(r), int(s)) for r, s in PROGRESS.findall(out))
+    want = {(r, s) for r in range(job.world) for s in range(job.steps)}
+    assert set(lines) == want, f"missing: {sorted(want - set(lines))[:10]}"
+    assert max(lines.values()) == 1, [k for k, v in lines.items() if v > 1][:10]
+    assert "srun: error" not in out and "Killed" not in out, out[-2000:]
+
+
+@pytest.mark.criu
+def test_transparent_drain_of_a_two_rank_node_ends_completed_and_the_moved_ranks_keep_printing(
+        criu: None, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   script=TUTORIAL, mode="transparent")
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["plan"]["ranks"]) == moved and len(moved) == NPROC, handed
+    devcluster.resume(victim)
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, NODES * NPROC, TUTORIAL))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    assert_every_line_once(job)
+
+
+def test_aware_drain_of_a_two_rank_node_ends_completed_with_every_line_once(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC)
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    assert len(moved) == NPROC, view
+    # a second job that runs only if the first one succeeds, as users chain them
+    after = devcluster.run("sbatch", "--parsable", f"--dependency=afterok:{job.job}", "-N1", "-o",
+                           str(workdir / "after-%j.out"), "--wrap", "echo chained").stdout.strip().split(";")[0]
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["ranks"]) == moved, handed  # every rank of the node moved, in one pause
+    devcluster.resume(victim)
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, NODES * NPROC))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    assert_every_line_once(job)
+    devcluster.wait_job_state(after, ("COMPLETED",), timeout=120)  # afterok: the chained job ran
+    assert (workdir / f"after-{after}.out").read_text().strip() == "chained"
+
+
+@pytest.mark.faults
+def test_unplanned_kill_of_a_two_rank_node_rebuilds_both_ranks_and_ends_completed(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC)
+    view = job.wait_running(torchpassd, min_step=5)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    lost = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    devcluster.kill_node(victim)
+    offset = job.log.stat().st_size
+    mig = torchpassd.wait_migration(job.job, victim, timeout=180)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5" and mig["mode"] == "unplanned-aware", mig
+    chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
+    assert chosen["detail"]["ranks"] == lost and len(lost) == NPROC, chosen  # every rank of the node, one spare
+    failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+    job.wait_done(timeout=240)  # the dead node stays dead (DOWN): the job must end without it
+    ref_steps, ref_finals = undisturbed(workdir, NODES * NPROC)
+    ref = workdir / "reference-lines.log"
+    ref.write_text("".join(json.dumps({"rank": r, "step": s, "loss": x}) + "\n" for r, s, x in ref_steps)
+                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in ref_finals.items()))
+    for rank in lost:  # each rebuilt rank resumed at the failed step, every loss and hash as undisturbed
+        rep = DrillReport()
+        judge(job.log, ref, rank, failed_step, offset, rep)
+        assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
+        assert rep.resumed_at_step == failed_step, rep
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    lines = Counter((int(r), int(s)) for r, s in PROGRESS.findall(job.out.read_text()))
+    missing = {(r, s) for r in range(job.world) for s in range(STEPS)} - set(lines)
+    # Only what the dead ranks printed in the last instant before their node died, still in its pipes,
+    # may be gone with it (as under torchrun); every line from the rebuilt ranks on is there.
+    assert all(r in lost and failed_step - 2 <= s < failed_step for r, s in missing), sorted(missing)
