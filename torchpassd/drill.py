@@ -140,7 +140,7 @@ class Drill:
                 drill_unplanned.run(self, victim, rank, workdir)  # kill (or cut) instead of a drain
             else:
                 self._drain_and_migrate(victim, rank, workdir)
-            rep.job_state = self._final_state()
+            rep.job_state = rep.job_state or self._final_state()  # unplanned: taken before the fault's undo
             if rep.job_state != "COMPLETED":
                 rep.error = rep.error or (f"the job ended {rep.job_state}, not COMPLETED: a migrated job must end "
                                           f"as if nothing had happened (see {workdir})")

@@ -169,11 +169,14 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
         failed_step = resumed["resumed_at_step"]
         drill._note(f"rank {rank} rebuilt on {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s, "
                     f"resumed at step {failed_step}")
-        # Training is done once every rank logged its final hash; after a network cut, srun may
-        # wait on for the cut node's task until the node comes back (the drill cancels the job).
+        # Training is done once every rank logged its final hash; the job then ends on its own (the
+        # dead node was set DOWN, so srun was told its tasks are gone). The fault lasts until then: a
+        # cut node that comes back while the job still runs has its stale step killed by Slurm, and
+        # srun counts that task as failed (a known gap, see the README).
         drill._wait(f"job {rep.job_id} to finish training",
                     lambda: not (j := drill.slurm.job(int(rep.job_id))) or not j.active
                     or (log.exists() and len(read_log(log)[1]) >= drill.s.nodes * drill.s.nproc))
+        rep.job_state = drill._final_state()
     finally:
         fault.undo()
     drill._note("job finished; running the reference without a failure")

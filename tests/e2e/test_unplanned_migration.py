@@ -26,10 +26,10 @@ STEP_SLEEP = 0.15
 VICTIM, VICTIM_RANK = "n3", 2  # never the batch host (n1); node n<k> runs rank k-1
 
 
-def _drill(tp_config: Path, mode: str) -> dict:
+def _drill(tp_config: Path, mode: str, *shape: str) -> dict:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
                           "--mode", mode, "--json", "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP),
-                          "--timeout", "180"],
+                          "--timeout", "180", *shape],
                          capture_output=True, text=True, timeout=600)
     assert res.stdout, res.stderr[-2000:]
     report = json.loads(res.stdout)
@@ -39,6 +39,7 @@ def _drill(tp_config: Path, mode: str) -> dict:
 
 def _assert_drill_ok(report: dict, fault: str) -> None:
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["job_state"] == "COMPLETED", report
     assert report["fault"] == fault and report["migrated_to"] == "n5", report
     assert report["migrated_from"] not in ("n1", "n5")  # never the batch host
     assert report["resumed_at_step"] == report["expected_step"] > 0, report
@@ -47,9 +48,10 @@ def _assert_drill_ok(report: dict, fault: str) -> None:
     assert phases[-1] == "released" and "recovered" in phases, phases
 
 
-def test_drill_unplanned_kill(torchpassd: Daemon, tp_config: Path) -> None:
-    report = _drill(tp_config, "unplanned")
+def test_drill_unplanned_kill_of_a_two_rank_node(torchpassd: Daemon, tp_config: Path) -> None:
+    report = _drill(tp_config, "unplanned", "--nodes", "3", "--nproc-per-node", "2")
     _assert_drill_ok(report, "kill")
+    assert len(report["moved_ranks"]) == 2, report
     assert 0 <= report["detect_s"] < 5 and 0 < report["pause_s"] < 90, report  # Last Will: within seconds
 
 
