@@ -1,6 +1,8 @@
 """The ``launchpad`` console script: torchrun's command line (both dash and underscore spellings,
 same defaults and meanings) plus TorchPass's own --job/--node/--config, turned into a LaunchSpec
-and handed to the agent. Exit code: 0 when every worker succeeded, the failed worker's otherwise."""
+and handed to the agent. In a ``--torchpass`` Slurm job all three come from the job itself
+(SLURM_JOB_ID, SLURMD_NODENAME, and TORCHPASS_CONFIG set by the SPANK plugin), so the user's
+unchanged ``srun torchrun ...`` joins the control plane. Exit code: 0 when every worker succeeded, the failed worker's otherwise."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from launchpad import spec as specmod
 from torchpass_common import config as configmod
 from torchpass_common import log
 from torchpass_common.errors import ConfigError, TorchPassError
+
+CONSOLE_LOG_LEVEL = "warning"  # launchpad's own log on the console, like torchrun's; all of it: own_log_file
 
 
 def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
@@ -47,12 +51,17 @@ def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
 @click.option("--redirects", "-r", default="0", help="Send worker output to log files only: 0-3 or LR:MASK,...")
 @click.option("--tee", "-t", default="0", help="Send worker output to log files and the console: 0-3 or LR:MASK,...")
 @_opt("--local-ranks-filter", default="", help="Show only these local ranks' output on the console: 0,1,...")
+@_opt("--log-line-prefix-template", default=lambda: os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+      help="Prefix of teed console lines, with ${role_name}, ${rank}, ${local_rank} "
+           "(default: env TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else [${role_name}${local_rank}]:).")
 @_opt("--node-rank", default=None, type=int, help="This node's rank (static rendezvous).")
 @_opt("--master-addr", default=None, help="Host of the rendezvous store for the static backend.")
 @_opt("--master-port", default=None, type=int, help="Port of the rendezvous store for the static backend.")
 @_opt("--grace-period", default=15.0, type=float, help="Seconds between SIGTERM and SIGKILL when stopping workers.")
-@click.option("--job", default=lambda: os.environ.get("TORCHPASS_JOB"), help="TorchPass job id (control plane).")
-@click.option("--node", default=lambda: os.environ.get("TORCHPASS_NODE"), help="This node's name (control plane).")
+@click.option("--job", default=lambda: specmod.torchpass_job(os.environ),
+              help="TorchPass job id (control plane); default: the Slurm job id in a --torchpass job.")
+@click.option("--node", default=lambda: os.environ.get("SLURMD_NODENAME"),
+              help="This node's name (control plane); default: Slurm's name for it, else the hostname.")
 @click.option("--config", "config_path", default=None, help="TorchPass config file (broker, timeouts).")
 @click.option("--broker", default=lambda: os.environ.get("TORCHPASS_BROKER"),
               help="MQTT broker HOST[:PORT], overriding [broker] of the config (env TORCHPASS_BROKER).")
@@ -60,17 +69,29 @@ def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def main(**opts: object) -> None:
     """Run ENTRYPOINT on every worker of this node, like torchrun, under TorchPass supervision."""
-    log.setup()
     try:
+        log.setup(CONSOLE_LOG_LEVEL)  # the console only, until the run's log file is known
         spec = build_spec(opts, os.environ)
         config = with_broker(configmod.load(opts["config_path"]), opts["broker"])  # type: ignore[arg-type]
         config.timeouts.validate()
+        from launchpad.output import own_log_file  # deferred: --help stays fast
+
+        log_file = own_log_file(spec, os.environ)
     except TorchPassError as exc:
         click.echo(f"launchpad: {exc}", err=True)
         sys.exit(2)
+    log.setup(CONSOLE_LOG_LEVEL, file=log_file)
+    log.get(node=spec.node, run=spec.run_id).info("launchpad.started", argv=sys.argv, log_file=str(log_file))
+    if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1:  # torchrun warns the same
+        log.get().warning("workers.omp_num_threads", value=1, nproc_per_node=spec.nproc_per_node,
+                          hint="OMP_NUM_THREADS=1 for each worker by default, so the workers do not "
+                               "overload the node; set it yourself to tune performance")
     from launchpad.agent import run  # deferred: --help stays fast
 
-    sys.exit(run(spec, config))
+    code = run(spec, config)
+    if code:
+        click.echo(f"launchpad: launchpad's own log is in {log_file}", err=True)
+    sys.exit(code)
 
 
 def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.LaunchSpec:
@@ -85,6 +106,7 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         redirects=specmod.parse_std_mask(str(opts["redirects"]), nproc),
         tee=specmod.parse_std_mask(str(opts["tee"]), nproc), role=str(opts["role"]),
         console_ranks=specmod.parse_ranks_filter(str(opts["local_ranks_filter"])),
+        log_line_prefix_template=opts.get("log_line_prefix_template") or None,
         monitor_interval=float(opts["monitor_interval"]),  # type: ignore[arg-type]
         grace_period=float(opts["grace_period"]), job=opts["job"], node=opts["node"] or socket.gethostname(),  # type: ignore[arg-type]
         **rdzv_conf,

@@ -38,6 +38,7 @@ class LaunchSpec:
     redirects: Mapping[int, int] = field(default_factory=dict)
     tee: Mapping[int, int] = field(default_factory=dict)
     console_ranks: frozenset[int] | None = None  # --local-ranks-filter; None shows every local rank
+    log_line_prefix_template: str | None = None  # teed lines' prefix; None: torchrun's [<role><local_rank>]:
     role: str = "default"
     monitor_interval: float = 0.1
     join_timeout: float = 600.0
@@ -117,6 +118,15 @@ def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
     host = m.group("v6") or m.group("host")
     port = m.group("p6") or m.group("port")
     return host, int(port) if port else default_port
+
+
+MODE_ENV = "TORCHPASS"  # the job's --torchpass mode, set by the SPANK plugin in every task
+
+
+def torchpass_job(env: Mapping[str, str]) -> str | None:
+    """The job launchpad reports to: the Slurm job id, in a job submitted with ``--torchpass``
+    (the SPANK plugin marks its tasks with TORCHPASS=<mode>); None elsewhere (plain launcher)."""
+    return env.get("SLURM_JOB_ID") if env.get(MODE_ENV) else None
 
 
 def first_slurm_host(nodelist: str) -> str:

@@ -58,7 +58,7 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code(procs: Procs, tmp
     res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=3", str(script), "1", "3"), timeout=60)
     assert res.returncode == 3
     assert "worker rank 1 exited with code 3" in res.stderr
-    assert "[0]:rank 0 got SIGTERM" in res.stdout and "[2]:rank 2 got SIGTERM" in res.stdout
+    assert {"rank 0 got SIGTERM", "rank 2 got SIGTERM"} <= set(res.stdout.splitlines())  # no prefix, like torchrun
 
 
 @pytest.mark.slow
@@ -94,7 +94,7 @@ def test_max_restarts_restarts_the_group(procs: Procs, tmp_path: Path) -> None:
     res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=2", *LIGHT,
                                    str(script), "0", "5", "2"), timeout=90)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "[1]:rank 1 up restart=2" in res.stdout
+    assert "rank 1 up restart=2" in res.stdout.splitlines()
     res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--max-restarts=1", *LIGHT,
                                    str(script), "0", "5", "2"), timeout=90)
     assert res.returncode == 5
@@ -106,10 +106,10 @@ def test_module_and_no_python(procs: Procs, tmp_path: Path) -> None:
     res = procs.run(launchpad_argv("--standalone", "-m", "--nproc-per-node=2", "lpmod"),
                     env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "[1]:module rank 1" in res.stdout
+    assert "module rank 1" in res.stdout.splitlines()
     res = procs.run(launchpad_argv("--standalone", "--nproc-per-node=2", "--local-ranks-filter=1", "--no-python",
                                    "sh", "-c", 'echo "sh rank $RANK"; exit $((RANK * 4))'))
-    assert res.returncode == 4 and res.stdout.splitlines() == ["[1]:sh rank 1"]
+    assert res.returncode == 4 and res.stdout.splitlines() == ["sh rank 1"]
 
 
 @pytest.mark.slow
@@ -126,7 +126,8 @@ def test_failure_on_one_node_stops_the_other(procs: Procs, tmp_path: Path) -> No
 @pytest.mark.slow
 def test_sigterm_while_waiting_for_the_other_nodes_stops_at_once(procs: Procs, tmp_path: Path) -> None:
     proc = procs.start(launchpad_argv("--nnodes=2", "--node-rank=0", f"--master-port={free_port()}", "--no-python",
-                                      "true"), log=tmp_path / "launchpad.log")
+                                      "true"), log=tmp_path / "launchpad.log",
+                       env={"TORCHPASS_LOG_LEVEL": "info"})  # its info events on the console too
     log = tmp_path / "launchpad.log"
     deadline = time.monotonic() + 60
     while "rendezvous.hosting" not in log.read_text():
