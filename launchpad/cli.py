@@ -81,6 +81,7 @@ def main(**opts: object) -> None:
         click.echo(f"launchpad: {exc}", err=True)
         sys.exit(2)
     log.setup(CONSOLE_LOG_LEVEL, file=log_file)
+    os.environ[log.ENV_FILE] = str(log_file)  # the workers' TorchPass library logs there too
     log.get(node=spec.node, run=spec.run_id).info("launchpad.started", argv=sys.argv, log_file=str(log_file))
     if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1:  # torchrun warns the same
         log.get().warning("workers.omp_num_threads", value=1, nproc_per_node=spec.nproc_per_node,

@@ -13,9 +13,11 @@ from typing import Any
 from torchpass import ddp_layout, default_group, recovery, steps
 from torchpass.agent import Agent
 from torchpass_common import agent_channel as ac
+from torchpass_common import log
 from torchpass_common.timeouts import Timeouts
 
 _agent: Agent | None = None
+WORKER_CONSOLE_LOG_LEVEL = "warning"  # TORCHPASS_LOG_LEVEL overrides it
 
 
 def activate() -> None:
@@ -25,6 +27,8 @@ def activate() -> None:
     path = os.environ.get(ac.ENV_SOCKET)
     if not path or _agent is not None:
         return
+    # the job's console shows what torchrun's would (warnings only); the rest goes to launchpad's log file
+    log.setup(WORKER_CONSOLE_LOG_LEVEL, file=os.environ.get(log.ENV_FILE) or None)
     joining = os.environ.get(ac.ENV_JOIN) == "1"
     timeouts = Timeouts(**json.loads(os.environ.get(ac.ENV_TIMEOUTS) or "{}"))
     default_group.install(joining=joining, collective=timeouts.collective)

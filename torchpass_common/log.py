@@ -17,6 +17,9 @@ from torchpass_common.errors import ConfigError
 
 _configured = False
 _file: TextIO | None = None
+# Set by launchpad for its workers: the file launchpad logs to in full. A worker's TorchPass library
+# logs there too (info and above) and shows only warnings on the job's console, like launchpad.
+ENV_FILE = "TORCHPASS_LOG_FILE"
 
 
 class _Sinks:
