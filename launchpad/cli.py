@@ -15,6 +15,7 @@ import uuid
 import click
 
 from launchpad import spec as specmod
+from torchpass_common import agent_channel
 from torchpass_common import config as configmod
 from torchpass_common import log
 from torchpass_common.errors import ConfigError, TorchPassError
@@ -83,7 +84,8 @@ def main(**opts: object) -> None:
     log.setup(CONSOLE_LOG_LEVEL, file=log_file)
     os.environ[log.ENV_FILE] = str(log_file)  # the workers' TorchPass library logs there too
     log.get(node=spec.node, run=spec.run_id).info("launchpad.started", argv=sys.argv, log_file=str(log_file))
-    if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1:  # torchrun warns the same
+    joining = agent_channel.ENV_JOIN_PLAN in os.environ  # a spare's launchpad joining mid-job: nothing torchrun says
+    if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1 and not joining:  # torchrun warns the same
         log.get().warning("workers.omp_num_threads", value=1, nproc_per_node=spec.nproc_per_node,
                           hint="OMP_NUM_THREADS=1 for each worker by default, so the workers do not "
                                "overload the node; set it yourself to tune performance")
