@@ -15,9 +15,8 @@ import uuid
 import click
 
 from launchpad import spec as specmod
-from torchpass_common import agent_channel
+from torchpass_common import agent_channel, log
 from torchpass_common import config as configmod
-from torchpass_common import log
 from torchpass_common.errors import ConfigError, TorchPassError
 
 CONSOLE_LOG_LEVEL = "warning"  # launchpad's own log on the console, like torchrun's; all of it: own_log_file
