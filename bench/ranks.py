@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.recovery import ROOT, _drill, _say, mem_available, size_fits
+from bench.recovery import ROOT, _drill, _say, mem_available, prepare_cluster, size_fits
 from torchpassd.goodput import ratio
 
 GOAL = 1.3  # N ranks' pause over one rank's
@@ -45,16 +43,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from tests.support.devcluster import DevCluster, instance_id_from_env
-
-    cluster = DevCluster(instance_id_from_env())
-    if not cluster.info.get("up"):
-        _say(f"[ranks] bringing dev cluster {cluster.id} up")
-        cluster.up()
-    cluster.reset()
-    subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)  # sbatch --torchpass
-    work = cluster.jobs_dir / f"bench-ranks-{time.strftime('%Y%m%d-%H%M%S')}"
-    work.mkdir(mode=0o755)
+    cluster, work = prepare_cluster("ranks")
     raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "state_mib": a.state_mib, "runs": {}}
     for n in [int(x) for x in a.nproc.split(",")]:
         why = size_fits(a.state_mib, a.nodes * n, mem_available())

@@ -239,19 +239,27 @@ def _part(raw: dict[str, Any], key: str, what: str, fn: Any) -> None:
         _say(f"[recovery] {what} FAILED: {exc}")
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    from bench import _restart, overhead, scale, wormhole
+def prepare_cluster(bench: str) -> tuple[Any, Path]:
+    """The dev cluster ($TORCHPASS_DEVCLUSTER_ID) up and reset, the SPANK plugin built, and a fresh
+    work directory for benchmark ``bench`` under its jobs directory."""
     from tests.support.devcluster import DevCluster, instance_id_from_env
-    from torchpass_common.config import WormholeConfig
 
     cluster = DevCluster(instance_id_from_env())
     if not cluster.info.get("up"):
-        _say(f"[recovery] bringing dev cluster {cluster.id} up")
+        _say(f"[{bench}] bringing dev cluster {cluster.id} up")
         cluster.up()
     cluster.reset()
     subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)  # sbatch --torchpass
-    work = cluster.jobs_dir / f"bench-recovery-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = cluster.jobs_dir / f"bench-{bench}-{time.strftime('%Y%m%d-%H%M%S')}"
     work.mkdir(mode=0o755)
+    return cluster, work
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from bench import _restart, overhead, scale, wormhole
+    from torchpass_common.config import WormholeConfig
+
+    cluster, work = prepare_cluster("recovery")
     raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "modes": {}, "sizes": {}}
     streams = WormholeConfig().streams
     _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", lambda: wormhole.main(
