@@ -1,7 +1,8 @@
 """Makes the user's own ``init_process_group("gloo" | "nccl", ...)`` build a TorchPassGroup around
 that backend: registers the "torchpass" c10d backend and wraps init_process_group. On a joining
 rank the rendezvous is skipped (a local HashStore) and the group starts local. Groups made later
-with new_group are plain groups of the real backend: only the default group is re-formed."""
+by new_group (DeviceMesh, new_subgroups) are TorchPass subgroups of it (TorchPassGroup.new_group),
+re-formed with it; c10d sees the real backend's name, as under torchrun."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from torchpass.group import BACKEND_NAME, TorchPassGroup, build_inner
+from torchpass.group import BACKEND_NAME, TorchPassGroup
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
@@ -57,11 +58,16 @@ def _create(store: dist.Store, rank: int, world_size: int, timeout: Any) -> dist
     if _collective is not None and (timeout is None or timeout > _collective):
         timeout = _collective
     if _group is None:
-        _group = TorchPassGroup(_backend, store, rank, world_size, timeout, local=_joining)
+        _group = TorchPassGroup(_backend, store, rank, world_size, timeout, local=_joining,
+                                max_timeout=_collective)
         return _group
-    log.get(rank=rank).warning("group.subgroup_not_reformed", backend=_backend,
-                               hint="groups from new_group keep their first communicator")
-    return build_inner(_backend, store, rank, world_size, timeout, f"torchpass_sub{id(store)}")
+    # torch's new_group hands subgroup creation to TorchPassGroup.new_group; a group reaching the
+    # backend's creator instead would never be re-formed, and break at the first migration.
+    raise WorkerError(f"a second {BACKEND_NAME!r} process group was requested outside new_group "
+                      f"(rank {rank} of {world_size})",
+                      hint="make subgroups with torch.distributed.new_group / new_subgroups / DeviceMesh; "
+                           "a torch whose new_group does not delegate to the default group (before 2.13) "
+                           "cannot be used", rank=rank)
 
 
 def _default_backend() -> str:
@@ -87,10 +93,24 @@ def _wrap(original: Any) -> Any:
             rank = rank if rank >= 0 else _env_int("RANK")
             world_size = world_size if world_size >= 0 else _env_int("WORLD_SIZE")
             init_method, store = None, dist.HashStore()
-        return original(BACKEND_NAME, init_method, timeout, world_size, rank, store, group_name, **kwargs)
+        result = original(BACKEND_NAME, init_method, timeout, world_size, rank, store, group_name, **kwargs)
+        _show_real_backend()
+        return result
 
     init_process_group._torchpass = True  # type: ignore[attr-defined]
     return init_process_group
+
+
+def _show_real_backend() -> None:
+    """c10d records the backend a group was made with ("torchpass"); record the real one instead,
+    so that get_backend(), get_backend_config(), monitored_barrier's gloo check and new_group's
+    default backend see what they see under torchrun."""
+    pg = c10d._world.default_pg
+    if pg is None or pg is not _group or pg not in c10d._world.pg_map:
+        return
+    _, store = c10d._world.pg_map[pg]
+    c10d._world.pg_map[pg] = (_backend, store)
+    c10d._world.pg_backend_config[pg] = str(dist.BackendConfig(dist.Backend(_backend)))
 
 
 def _env_int(name: str) -> int:

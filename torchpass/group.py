@@ -38,16 +38,17 @@ FORWARDED = (
 
 
 def build_inner(backend: str, store: dist.Store, rank: int, world_size: int,
-                timeout: timedelta, name: str) -> dist.ProcessGroup:
+                timeout: timedelta, name: str, options: Any = None) -> dist.ProcessGroup:
     """A plain c10d ProcessGroup on ``backend`` ("gloo", "nccl", "cpu:gloo,cuda:nccl"), built the
-    way ``init_process_group`` builds one, but not registered as any torch global."""
+    way ``init_process_group`` builds one, but not registered as any torch global. ``options``:
+    a backend's own options object (ProcessGroupNCCL.Options), used for that backend."""
     pg = dist.ProcessGroup(store, rank, world_size)
     device_map = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
     made: dict[str, Any] = {}
     for device, name_ in device_map.items():
         if name_ not in made:
             made[name_] = _make_backend(name_, dist.PrefixStore(f"{name_}/", store), rank, world_size,
-                                        timeout)
+                                        timeout, options)
         kind = dist.Backend.backend_type_map[name_]
         pg._register_backend(torch.device(device), kind, made[name_])
     first = "nccl" if "nccl" in made else next(iter(made))
@@ -56,14 +57,16 @@ def build_inner(backend: str, store: dist.Store, rank: int, world_size: int,
     return pg
 
 
-def _make_backend(name: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+def _make_backend(name: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                  options: Any = None) -> Any:
     if name == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if name == "nccl":
         if not dist.is_nccl_available():
             raise WorkerError("init_process_group asked for nccl, but this torch build has no NCCL",
                               hint="install a CUDA build of torch or use gloo", rank=rank)
-        opts = dist.ProcessGroupNCCL.Options()
+        nccl_options = getattr(dist.ProcessGroupNCCL, "Options", None)
+        opts = options if nccl_options is not None and isinstance(options, nccl_options) else nccl_options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise WorkerError(f"TorchPass cannot wrap the {name!r} process group backend",
@@ -78,15 +81,27 @@ def _done(result: Any) -> Any:
 
 
 class TorchPassGroup(dist.ProcessGroup):
-    """The reconfigurable default group. ``gen`` is the generation its inner group belongs to
-    (0 while local). Only reconfigure between steps, when no collective is in flight."""
+    """A reconfigurable group: the default group, or a subgroup made from it by ``new_group``
+    (DeviceMesh's dimension groups among them). ``gen`` is the generation its inner group belongs
+    to (0 while local). A subgroup's identity (c10d name, global ranks, backend, options) never
+    changes; the default group re-forms its subgroups with itself. Only reconfigure between
+    steps, when no collective is in flight."""
 
     def __init__(self, backend: str, store: dist.Store | None, rank: int, world_size: int,
-                 timeout: timedelta, *, local: bool) -> None:
+                 timeout: timedelta, *, local: bool, name: str = "", ranks: Sequence[int] | None = None,
+                 options: Any = None, max_timeout: timedelta | None = None) -> None:
         super().__init__(rank, world_size)
         self.backend = backend
         self.timeout = timeout
+        self.max_timeout = max_timeout  # cap on the timeout of subgroups made from this group
         self.gen = 0
+        self.ranks = list(ranks) if ranks is not None else list(range(world_size))  # global ranks
+        self.options = options
+        self.subgroups: list[TorchPassGroup] = []  # made by new_group, in creation order (same on every rank)
+        self.destroyed = False  # destroy_process_group(this subgroup): no longer re-formed
+        self._name = name
+        self._desc = ""
+        self._store = store  # this generation's store: subgroups made now rendezvous under it
         self.failure: BaseException | None = None  # the failed collective failed() found, this generation
         self._watched: collections.deque[Any] = collections.deque(maxlen=MAX_WATCHED)
         self._watched_step = -1
@@ -95,8 +110,65 @@ class TorchPassGroup(dist.ProcessGroup):
         if not local:
             if store is None:
                 raise WorkerError("a non-local TorchPass group needs a store", rank=rank)
-            self._inner = build_inner(backend, store, rank, world_size, timeout, "torchpass_gen1")
+            self._inner = build_inner(backend, store, rank, world_size, timeout, self._inner_name(1), options)
             self.gen = 1
+
+    def _inner_name(self, gen: int) -> str:
+        return f"torchpass_gen{gen}" if not self._name else f"torchpass_{self._name}_gen{gen}"
+
+    # -- identity, as c10d and DeviceMesh read it --------------------------------------------
+    # c10d keeps a group's name on its backends; this group registers none (its inner group
+    # changes), so the name and description live here. c10d sets them at creation
+    # (_new_process_group_helper, new_group) and registers the name for functional collectives.
+    @property
+    def group_name(self) -> str:
+        if not self._name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc or "undefined"
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group serves (object collectives pick theirs from it)."""
+        if self._inner is not None:
+            return self._inner._device_types
+        return [torch.device(d) for d in dist.BackendConfig(dist.Backend(self.backend)).get_device_backend_map()]
+
+    def new_group(self, ranks: Sequence[int], timeout: timedelta | None = None, pg_options: Any = None,
+                  group_name: str | None = None, group_desc: str | None = None) -> TorchPassGroup | None:
+        """c10d's ``new_group`` (and so new_subgroups and DeviceMesh) delegates subgroup creation to
+        the default group when it has this method: the subgroup is a TorchPassGroup on the same
+        real backend, built now (blocks until its members have joined), re-formed with this group.
+        None on a rank outside ``ranks`` (global ranks, sorted by c10d)."""
+        ranks = list(ranks)
+        me = self.rank()
+        if me not in ranks:
+            return None
+        if not group_name:
+            raise WorkerError("new_group without a group name", rank=me,
+                              hint="TorchPass subgroups are made by torch.distributed.new_group")
+        timeout = timeout or self.timeout
+        if self.max_timeout is not None and timeout > self.max_timeout:
+            timeout = self.max_timeout
+        store = None if self._store is None else dist.PrefixStore(f"sub/{group_name}/", self._store)
+        sub = TorchPassGroup(self.backend, store, ranks.index(me), len(ranks), timeout,
+                             local=self.local, name=group_name, ranks=ranks, options=pg_options)
+        sub.gen = self.gen
+        if group_desc:
+            sub._set_group_desc(group_desc)
+        self.subgroups.append(sub)
+        log.get(rank=me, gen=self.gen).info("group.subgroup_made", name=group_name, ranks=ranks,
+                                              local=self.local)
+        return sub
 
     @property
     def local(self) -> bool:
@@ -114,18 +186,33 @@ class TorchPassGroup(dist.ProcessGroup):
                 f"re-form asks for rank {rank} of {world_size}, but this process is rank "
                 f"{self.rank()} of {self.size()}; a TorchPass group keeps its rank and world size",
                 hint="give the replacement process the leaving rank's number", rank=self.rank(), gen=gen)
-        new = build_inner(self.backend, dist.PrefixStore(prefix, store), rank, world_size, self.timeout,
-                          f"torchpass_gen{gen}")
-        old, self._inner, self.gen = self._inner, new, gen
+        base = dist.PrefixStore(prefix, store)
+        self._rebuild(gen, base)
+        # Every rank re-forms its subgroups in creation order, which is the same on every rank
+        # (new_group is called by all ranks in one order): the earliest subgroup still to be
+        # built always has all its members at it, so this cannot deadlock. Ranks keep their
+        # numbers, so each subgroup keeps its members and their group ranks.
+        live = [sub for sub in self.subgroups if not sub.destroyed]
+        for sub in live:
+            sub._rebuild(gen, dist.PrefixStore(f"sub/{sub._name}/", base))
+        self.subgroups = live
+        log.get(rank=rank, gen=gen).info("group.reformed", prefix=prefix, backend=self.backend,
+                                         subgroups=[sub._name for sub in live])
+
+    def _rebuild(self, gen: int, store: dist.Store) -> None:
+        new = build_inner(self.backend, store, self.rank(), self.size(), self.timeout, self._inner_name(gen),
+                          self.options)
+        old, self._inner, self.gen, self._store = self._inner, new, gen, store
         self._forget_works()
         if old is not None:
             # Join the old backend's threads with the GIL released (shutdown() drops it) before the
             # last reference goes; a destructor that joins them under the GIL can deadlock.
             old.shutdown()
-        log.get(rank=rank, gen=gen).info("group.reformed", prefix=prefix, backend=self.backend)
 
     def shutdown(self) -> None:
-        """destroy_process_group() calls this: shut the current inner group down."""
+        """destroy_process_group() calls this (for each group it destroys): shut the current
+        inner group down. A destroyed subgroup is not re-formed any more."""
+        self.destroyed = True
         if self._inner is not None:
             self._inner.shutdown()
 
@@ -133,19 +220,25 @@ class TorchPassGroup(dist.ProcessGroup):
         """Shut the inner group down and drop it, so its sockets close (shutdown() alone leaves
         gloo's listening socket open): what a worker does before criu moves it. Until the next
         reconfigure the group is local; call it only while parked."""
+        for sub in self.subgroups:
+            sub.release()
         inner, self._inner = self._inner, None
         self._forget_works()
         if inner is not None:
             inner.shutdown()
 
     def abort(self) -> None:
+        for sub in self.subgroups:
+            sub.abort()
         if self._inner is not None:
             self._inner.abort()
 
     def abandon(self) -> None:
         """After a failed collective: abort and shut the inner group down (closing its connections,
         so peers still waiting on this rank fail at once instead of at their timeout) and drop it;
-        the group is local until the next reconfigure."""
+        the group is local until the next reconfigure. Its subgroups are abandoned with it."""
+        for sub in self.subgroups:
+            sub.abandon()
         inner, self._inner = self._inner, None
         self._watched.clear()  # the failure itself is kept: the interruption reports it
         if inner is not None:
@@ -168,8 +261,13 @@ class TorchPassGroup(dist.ProcessGroup):
 
     def failed(self) -> BaseException | None:
         """The error of a collective of this generation that failed (a peer lost, or frozen past
-        the timeout), if one did: how the bootstrap tells an interruption from a bug in the script."""
+        the timeout), if one did, in it or one of its subgroups: how the bootstrap tells an
+        interruption from a bug in the script."""
         if self.failure is None:
+            for sub in self.subgroups:
+                if sub.failed() is not None:
+                    self.failure = sub.failure
+                    return self.failure
             for work in list(self._watched):
                 try:
                     fut = work.get_future()
@@ -250,11 +348,11 @@ _LOCAL = {
 
 
 def _forwarder(name: str) -> Any:
-    def forward(self: TorchPassGroup, *args: Any) -> Any:
+    def forward(self: TorchPassGroup, *args: Any, **kwargs: Any) -> Any:
         inner = self._inner
         if inner is None:
-            return self._local(name, args)
-        return self.watch(getattr(inner, name)(*args))
+            return self._local(name, (*args, *kwargs.values()))
+        return self.watch(getattr(inner, name)(*args, **kwargs))
 
     forward.__name__ = name
     forward.__doc__ = f"Forward ``{name}`` to the current generation's inner group."

@@ -100,8 +100,8 @@ def start_launchpad(procs: Procs, tmp_path: Path, broker: Mosquitto, steps: int,
     out.mkdir()
     script = write_script(tmp_path, script_text)
     proc = procs.start(launchpad_argv("--standalone", "--nproc-per-node=2", "--job", JOB, "--node", NODE,
-                                      str(script), str(out), str(steps), str(pace)),
-                       env={"TORCHPASS_CONFIG": str(config), "TORCHPASS_LOG_LEVEL": "info"},  # all of its log in
+                                      "--config", str(config), str(script), str(out), str(steps), str(pace)),
+                       env={"TORCHPASS_LOG_LEVEL": "info"},  # all of its log in
                        log=tmp_path / "launchpad.log")  # the file shown on failure
     return proc, out
 

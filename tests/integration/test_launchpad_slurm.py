@@ -29,10 +29,10 @@ def test_two_nodes_two_workers_under_srun_match_torchrun(devcluster: DevCluster,
     port = random.randint(30000, 39999)  # on the nodes' own addresses, not this host's
     job = devcluster.sbatch(f"""#!/bin/bash
 cd {lt.ROOT}
-srun --no-kill --ntasks-per-node=1 {PYTHON} -m launchpad --nproc-per-node=2 --master-port={port} \\
+srun --ntasks-per-node=1 {PYTHON} -m launchpad --nproc-per-node=2 --master-port={port} \\
     {script} {out} {STEPS}
 echo "launchpad exit $?"
-""", "-N2", "--no-kill", "--export", f"ALL,PATH={os.environ['PATH']},TORCHPASS_LOG_LEVEL=warning")
+""", "-N2", "--export", f"ALL,PATH={os.environ['PATH']}")
     devcluster.wait_job_state(job, "COMPLETED", timeout=240)
     text = devcluster.job_output(job)
     assert "launchpad exit 0" in text, text[-3000:]

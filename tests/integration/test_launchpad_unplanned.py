@@ -108,11 +108,11 @@ def start_nodes(procs: Procs, tmp_path: Path, broker: Mosquitto, fault: dict[str
     marks.mkdir()
     script = write_script(tmp_path, script_text)
     port = lt.free_port()
-    env = {"TORCHPASS_CONFIG": str(config), "TP_FAULT": json.dumps({**fault, "dir": str(marks)}),
+    env = {"TP_FAULT": json.dumps({**fault, "dir": str(marks)}),
            "TORCHPASS_LOG_LEVEL": "info"}  # launchpad's whole log in the files shown on failure
     nodes = [procs.start(launchpad_argv("--nnodes=3", f"--node-rank={i}", "--master-addr=127.0.0.1",
                                         f"--master-port={port}", "--nproc-per-node=1", "--job", JOB, "--node", node,
-                                        str(script), str(out), str(STEPS)),
+                                        "--config", str(config), str(script), str(out), str(STEPS)),
                          env=env, log=tmp_path / f"launchpad-{node}.log")
              for i, node in enumerate(NODES)]
     return nodes, marks
