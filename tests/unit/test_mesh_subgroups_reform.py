@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 
 # The workload, also run by tests/integration/test_mesh_under_launchpad.py under launchpad and
-# torchrun. It prints one line "MESH_RESULT <json>" per rank. With MESH_TEST_REFORM=1 it re-forms
+# torchrun. Each rank writes its results to $MESH_RESULT_DIR/rank<N>.json (a file, not stdout: four
+# ranks' 12 kB lines interleave on a shared pipe). With MESH_TEST_REFORM=1 it re-forms
 # the TorchPass default group (and so every subgroup) between phases, as the agent does on REFORM.
 WORKLOAD = r'''
 import hashlib, json, os
@@ -161,19 +162,18 @@ second = phase("gen2", [("made1", first)])
 reform(3)
 train("gen3", models, opts, 4)
 phase("gen3", [("made1", first), ("made2", second)])
-print("MESH_RESULT " + json.dumps({"rank": rank, "out": out, "kinds": kinds, "gens": gens}, sort_keys=True), flush=True)
+with open(os.path.join(os.environ["MESH_RESULT_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "out": out, "kinds": kinds, "gens": gens}, f, sort_keys=True)
 dist.destroy_process_group()
 '''
 
 
-def results(stdout: str) -> dict[int, dict]:
-    """rank -> {"out": ..., "kinds": ...} from the MESH_RESULT lines of one or several ranks."""
+def results(result_dir: Path) -> dict[int, dict]:
+    """rank -> {"out": ..., "kinds": ...} from the files the ranks wrote to result_dir."""
     found = {}
-    for line in stdout.splitlines():
-        _, sep, rest = line.partition("MESH_RESULT ")
-        if sep:
-            rec = json.loads(rest)
-            found[rec["rank"]] = rec
+    for path in result_dir.glob("rank*.json"):
+        rec = json.loads(path.read_text())
+        found[rec["rank"]] = rec
     return found
 
 
@@ -196,25 +196,23 @@ def run_workers(tmp: Path, torchpass: bool) -> dict[int, dict]:
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   MESH_TEST_REFORM="1" if torchpass else "0")
+                   MESH_TEST_REFORM="1" if torchpass else "0", MESH_RESULT_DIR=str(tmp))
         procs.append(subprocess.Popen([sys.executable, "-c", _LAUNCH, "torchpass" if torchpass else "plain",
                                        str(script)], env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True))
-    found: dict[int, dict] = {}
     try:
         for r, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=240)
-            mine = results(stdout)
+            _, stderr = p.communicate(timeout=240)
             # torch 2.13's gloo sometimes aborts in destroy_process_group, after the results
-            teardown_abort = p.returncode == -6 and r in mine
+            teardown_abort = p.returncode == -6 and (tmp / f"rank{r}.json").exists()
             assert p.returncode == 0 or teardown_abort, (
                 f"rank {r} ({'torchpass' if torchpass else 'plain'}) rc {p.returncode}: {stderr[-3000:]}")
-            found.update(mine)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    found = results(tmp)
     assert sorted(found) == list(range(WORLD))
     return found
 
