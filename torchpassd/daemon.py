@@ -65,6 +65,7 @@ class Orchestrator:
             await self._save_job(view)
         elif isinstance(e, ev.JobEnded):
             job = str(e.job)
+            await self._abandon(job, e.state or "ENDED")
             self.d.registry.forget(job)
             for key in [k for k in self.pending if k[0] == job]:
                 self.pending.pop(key)
@@ -83,6 +84,18 @@ class Orchestrator:
             free = [s for s in spares_of(self.watcher.last, self.d.pool.reservation) if s.available]
             self.d.metrics.spares_free.set(len(free))
         self.kick()
+
+    async def _abandon(self, job: str, state: str) -> None:
+        """A job that ended while its migration had not handed anything over: stop the migration
+        and record it (waiting for launchpads that are gone would only run into timeouts)."""
+        task, mig = self.active.get(job), self.current.get(job)
+        if task is None or mig is None or task.done() or not mig.before_hand_over():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self.log.warning("migration.job_ended", job=job, migration=mig.id, phase=mig.last_phase, state=state)
+        await mig.job_ended(state)
 
     def request(self, job: str, node: str, reason: str) -> None:
         """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""

@@ -148,10 +148,12 @@ class Flow:
         self.t = deps.cfg.timeouts
         self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
+        self.last_phase = REQUESTED
 
     # ---- bookkeeping -----------------------------------------------------------------------
     async def phase(self, name: str, status: str = jn.RUNNING, error: str | None = None,
                     **detail: Any) -> None:
+        self.last_phase = name
         rec = await asyncio.to_thread(self.d.journal.record_transition, self.id, name, status,
                                       {"plan": asdict(self.plan), **detail},
                                       target=self.plan.target or None, error=error)
@@ -168,6 +170,20 @@ class Flow:
                    timeout: float | None = None) -> dict[str, Any]:
         return await self.d.commander.send(self.plan.job, node, cmd, migration=self.id, gen=gen,
                                            args=args, timeout=timeout or self.t.decision)
+
+    def before_hand_over(self) -> bool:
+        """Nothing has moved yet: the leaving ranks still hold the only copy of their state."""
+        return self.last_phase in BEFORE_HANDOVER
+
+    async def job_ended(self, state: str) -> None:
+        """The job ended (its training finished, or it was cancelled) before the hand-over, while
+        this migration's task was stopped: nothing is left to move and no launchpad to talk to.
+        Let the spare go and record why, at once rather than after a command's timeout."""
+        problems = await self._drop_target(self.plan.target) if self.plan.target else []
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="rolled_back")
+        await self.phase(ROLLED_BACK, jn.ROLLED_BACK, problems=problems,
+                         error=f"job {self.plan.job} ended ({state}) during the migration, before the hand-over; "
+                               "nothing to move")
 
     # ---- shared steps ------------------------------------------------------------------------
     async def _take_spare(self) -> tuple[str, str]:

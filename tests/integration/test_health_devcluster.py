@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, e2e_dir, torchpassd, tp_config, wait_until  # noqa: F401 - fixtures
+from tests.e2e.conftest import Daemon, e2e_dir, install_site_config, torchpassd, tp_config, wait_until  # noqa: F401 - fixtures
 from tests.support.devcluster import DevCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
@@ -27,6 +27,7 @@ def test_gpu_degrade_drill_drains_the_node_naming_the_xid_and_migrates_first(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, e2e_dir: Path) -> None:  # noqa: F811
     config = e2e_dir / "health-drill.toml"  # the cluster's config, launchpads sampling every second
     config.write_text(tp_config.read_text() + "[health]\nsample_interval = 1.0\n")
+    install_site_config(devcluster, config)  # the file the jobs' launchpads read (plugstack config=)
     ctl = [TORCHPASSCTL, "--config", str(config)]
 
     def nodes() -> dict[str, dict[str, str]]:
