@@ -1,6 +1,6 @@
 """The worker's end of launchpad's commands. A reader thread receives commands; the training
 thread carries them out at step boundaries: it reports each step, parks after the step launchpad
-chose (before the next forward), and while parked saves (hand-over), re-forms, resumes or exits. A joining rank
+chose (before the next forward of DDP or, without DDP, of any module), and while parked saves (hand-over), re-forms, resumes or exits. A joining rank
 parks inside register() after loading the donor's state. No collective is added to any step."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from torchpass import criu_park, ddp_layout, default_group, handover, recovery, steps
 from torchpass_common import agent_channel as ac
@@ -53,6 +54,8 @@ class Agent:
         self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
         self._reported: tuple[float, bool] = (-REPORT_EVERY_S, False)  # (when, registered) of the last report
         self.recovering = False  # from an interruption until the resume: an exit then is a failure
+        self._armed: tuple[int, list[Any]] | None = None  # (gen, hooks) waiting for the next forward
+        self._forwardless = False  # a step ran without any module forward: park at the step boundary
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +88,8 @@ class Agent:
             self._agent_gone()
 
     def _on_boundary(self, step: int) -> None:
+        if self._armed is not None:
+            self._disarm_forwardless(step)
         now, registered = time.monotonic(), self.save_fn is not None  # registered: a model-aware move is possible
         last_at, last_registered = self._reported
         if self._wake or registered != last_registered or now - last_at >= REPORT_EVERY_S:
@@ -121,11 +126,12 @@ class Agent:
                 self._park_before_next_forward(gen)
 
     def _park_before_next_forward(self, gen: int) -> None:
-        """Park when the next iteration's DDP forward starts, so that the script's own work after
-        opt.step() (scheduler, its step variable, logging) belongs to step S on every rank, the
-        joiner included. Without DDP, park at once. The hook exists only until it fires."""
-        ddps = ddp_layout.live()
-        if not ddps:
+        """Park when the next iteration's forward starts, so that the script's own work after
+        opt.step() (scheduler, its step variable, logging, a loss all-reduce) belongs to step S on
+        every rank, the joiner included. With DDP: DDP's forward. Without (FSDP2, tensor parallel,
+        a plain module): the first forward of any module. A script seen running a whole step
+        without any module forward parks at once from then on. The hook exists only until it fires."""
+        if self._forwardless:
             self._park_paused(gen)
             return
         handles: list[Any] = []
@@ -133,9 +139,26 @@ class Agent:
         def before_forward(_module: Any, _inputs: Any) -> None:
             for h in handles:
                 h.remove()
+            self._armed = None
             self._park_paused(gen)
 
-        handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
+        ddps = ddp_layout.live()
+        if ddps:
+            handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
+        else:
+            handles.append(register_module_forward_pre_hook(before_forward))
+        self._armed = (gen, handles)
+
+    def _disarm_forwardless(self, step: int) -> None:
+        """A whole step ran without the forward the pause waited for: this script's steps run no
+        module forward. The pause is missed (torchpassd tries again); the next one parks at once."""
+        assert self._armed is not None
+        gen, handles = self._armed
+        for h in handles:
+            h.remove()
+        self._armed, self._forwardless = None, True
+        self._send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
+        self._log.warning("agent.pause_missed", gen=gen, step=step, why="a step ran without any module forward")
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()

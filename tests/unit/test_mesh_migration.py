@@ -1,28 +1,20 @@
 """A rank of an HSDP job (2-D DeviceMesh, fully_shard replicate x shard) that also all-reduces on a
 new_group every step is replaced by a new process over the real agent channel (the test driver of
-test_worker_migration.py plays launchpad): the joiner builds its mesh and subgroups locally, loads
+tests/support/agent_driver.py plays launchpad): the joiner builds its mesh and subgroups locally, loads
 the leaving rank's shards, and is re-formed with the survivors as generation 2 (default group and
 every subgroup). Losses, subgroup results and final parameters must be bit-identical to a plain
 gloo run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.support.agent_driver import WAIT, read_logs
 from torchpass_common import agent_channel as ac
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("torchpass_tests_worker_migration", ROOT / "tests/unit/test_worker_migration.py")
-assert _spec and _spec.loader
-_mig = sys.modules.setdefault("torchpass_tests_worker_migration", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(_mig)
-
-WORLD, STEPS, WAIT = 4, 14, 120.0
+WORLD, STEPS = 4, 14
 
 HSDP_SCRIPT = r'''
 import argparse, hashlib, json, time
@@ -70,14 +62,14 @@ while progress["step"] < args.steps:
     opt.zero_grad()
     loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
     loss.backward()
+    opt.step()
+    # After the optimizer step, as users log: a collective and the step variable belong to this
+    # step on every rank (a pause parks before the next forward, the joiner starts there).
     t = torch.tensor([loss.item()], dtype=torch.float64)
     dist.all_reduce(t, group=mine)
     log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex() + "/" + t.item().hex()}) + "\n")
     time.sleep(args.step_sleep)
     progress["step"] = step + 1
-    # Last in the iteration: without DDP the rank parks in the optimizer's step hook, so the
-    # state save() sees there must be the finished step's.
-    opt.step()
 h = hashlib.sha256()
 for p in model.parameters():
     h.update(p.full_tensor().detach().numpy().tobytes())
@@ -87,34 +79,6 @@ dist.destroy_process_group()
 '''
 
 
-class MeshDriver(_mig.Driver):
-    """The test driver, running HSDP_SCRIPT instead of the DDP example."""
-
-    def start(self, rank, log, *, agent=True, **extra):
-        script = self.tmp / "hsdp.py"
-        script.write_text(HSDP_SCRIPT)
-        saved, _mig.SCRIPT = _mig.SCRIPT, script
-        try:
-            return super().start(rank, log, agent=agent, **extra)
-        finally:
-            _mig.SCRIPT = saved
-
-
-@pytest.fixture
-def drivers(tmp_path):
-    made = []
-
-    def make(name, args):
-        sub = tmp_path / name
-        sub.mkdir()
-        made.append(MeshDriver(sub, WORLD, args))
-        return made[-1]
-
-    yield make
-    for d in made:
-        d.close()
-
-
 def _finished(d, procs) -> None:
     for proc in procs:
         rc = proc.wait(timeout=WAIT)
@@ -122,15 +86,17 @@ def _finished(d, procs) -> None:
 
 
 @pytest.mark.slow
-def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(drivers):
-    ref = drivers("reference", ["--steps", str(STEPS)])
+def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(drivers, tmp_path):
+    script = tmp_path / "hsdp.py"
+    script.write_text(HSDP_SCRIPT)
+    ref = drivers("reference", WORLD, ["--steps", str(STEPS)], script)
     ref_logs = [ref.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
     _finished(ref, [ref.start(r, ref_logs[r], agent=False) for r in range(WORLD)])
-    ref_losses, ref_finals = _mig.read_logs(*ref_logs)
+    ref_losses, ref_finals = read_logs(*ref_logs)
     assert len(ref_losses) == WORLD * STEPS and len(set(ref_finals.values())) == 1
 
     leaving = 2
-    d = drivers("replace", ["--steps", str(STEPS), "--step-sleep", "0.05"])
+    d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05"], script)
     source = {"path": str(d.tmp / "handover.pt")}
     joiner_log = d.tmp / "joiner.jsonl"
     joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
@@ -151,8 +117,8 @@ def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(
     d.reform_and_resume(gen=2)
     _finished(d, [w for r, w in enumerate(workers) if r != leaving] + [joiner])
 
-    losses, finals = _mig.read_logs(*logs, joiner_log)
+    losses, finals = read_logs(*logs, joiner_log)
     assert at_step < STEPS - 2
     assert losses == ref_losses
     assert finals == ref_finals
-    assert min(s for (_, s) in _mig.read_logs(joiner_log)[0]) == at_step
+    assert min(s for (_, s) in read_logs(joiner_log)[0]) == at_step

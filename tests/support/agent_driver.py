@@ -1,0 +1,171 @@
+"""A test-only stand-in for launchpad's side of the agent channel (tests/unit/test_worker_migration.py,
+test_mesh_migration.py, test_agent_park.py): hosts the agent socket and the job's TCPStore, starts
+worker processes of a training script through the torchpass bootstrap, and sends them the
+commands launchpad would (pause, save, re-form, resume, exit). Plus reading the scripts' JSON logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from torchpass_common import agent_channel as ac
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "contrib" / "examples" / "ddp_train.py"
+WAIT = 90.0  # upper bound for any single wait; a healthy run needs a few seconds
+
+
+@dataclass
+class Link:
+    """One connected worker as the driver sees it."""
+
+    chan: ac.SyncChannel
+    hello: dict[str, Any]
+    inbox: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+    step: int = 0
+
+
+class Driver:
+    """Test-only stand-in for launchpad: hosts the agent socket and the job's TCPStore, starts
+    workers through the bootstrap, and sends them the agent channel commands."""
+
+    def __init__(self, tmp: Path, world_size: int, script_args: list[str], script: Path = EXAMPLE) -> None:
+        self.tmp, self.world_size, self.script_args, self.script = tmp, world_size, script_args, script
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.sock_path = str(tmp / "agent.sock")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.sock_path)
+        self.server.listen()
+        self.links: dict[int, Link] = {}  # rank -> the newest worker holding that rank
+        self.hellos: queue.Queue[Link] = queue.Queue()
+        self.procs: list[subprocess.Popen] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            chan = ac.SyncChannel(conn)
+            hello = chan.recv()
+            assert hello is not None and hello["t"] == ac.HELLO
+            link = Link(chan, hello)
+            threading.Thread(target=self._read, args=(link,), daemon=True).start()
+            self.hellos.put(link)
+
+    def _read(self, link: Link) -> None:
+        while True:
+            try:
+                msg = link.chan.recv()
+            except OSError:
+                msg = None
+            if msg is not None and msg["t"] == ac.STEP:
+                link.step = msg["step"]
+                continue
+            link.inbox.put(msg)
+            if msg is None:
+                return
+
+    def env(self, rank: int, agent: bool = True, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size),
+                   LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(self.store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                   TORCHPASS_LOG_JSON="1", **extra)
+        if agent:
+            env[ac.ENV_SOCKET] = self.sock_path
+        return env
+
+    def start(self, rank: int, log: Path, *, agent: bool = True, **extra: str) -> subprocess.Popen:
+        boot = ["-m", "torchpass._bootstrap"] if agent else []
+        out = open(self.tmp / f"{log.stem}.out", "w")  # noqa: SIM115 (closed by the OS at exit)
+        proc = subprocess.Popen([sys.executable, "-u", *boot, str(self.script), *self.script_args, "--log", str(log)],
+                                env=self.env(rank, agent, **extra), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def connect(self, count: int) -> None:
+        """Wait for ``count`` hellos; the newest worker of a rank takes that rank's link."""
+        for _ in range(count):
+            link = self.hellos.get(timeout=WAIT)
+            self.links[link.hello["rank"]] = link
+
+    def send(self, to: int, kind: str, **fields: Any) -> None:
+        self.links[to].chan.send(ac.message(kind, **fields))
+
+    def expect(self, rank: int, kind: str) -> dict[str, Any]:
+        msg = self.links[rank].inbox.get(timeout=WAIT)
+        assert msg is not None and msg["t"] == kind, f"rank {rank}: expected {kind}, got {msg}"
+        return msg
+
+    def wait_steps(self, at_least: int) -> None:
+        deadline = time.monotonic() + WAIT
+        while min(link.step for link in self.links.values()) < at_least:
+            assert time.monotonic() < deadline, "workers did not reach the step"
+            time.sleep(0.005)
+
+    def pause_all(self, gen: int, margin: int) -> int:
+        """Pause every rank after one common step S (max reported step + margin); if a rank had
+        already passed S, ask everyone again for a later step. Returns S."""
+        at_step = max(link.step for link in self.links.values()) + margin
+        while True:
+            for rank in self.links:
+                self.send(rank, ac.PAUSE, gen=gen, at_step=at_step)
+            replies = {rank: self.links[rank].inbox.get(timeout=WAIT) for rank in self.links}
+            missed = [m["step"] for m in replies.values() if m and m["t"] == ac.PAUSE_MISSED]
+            if not missed:
+                assert all(m and m["t"] == ac.PAUSED and m["step"] == at_step for m in replies.values()), replies
+                return at_step
+            at_step = max(missed) + margin
+
+    def reform_and_resume(self, gen: int) -> None:
+        for rank in self.links:
+            self.send(rank, ac.REFORM, gen=gen, rank=rank, world_size=self.world_size,
+                      store_host="127.0.0.1", store_port=self.store.port, prefix=f"torchpass/gen{gen}/")
+        for rank in self.links:
+            self.expect(rank, ac.REFORMED)
+        for rank in self.links:
+            self.send(rank, ac.RESUME, gen=gen)
+        for rank in self.links:
+            self.expect(rank, ac.RESUMED)
+
+    def wait_all(self) -> None:
+        for proc in self.procs:
+            assert proc.wait(timeout=WAIT) == 0, (self.tmp / "*.out", proc.args)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self.server.close()
+
+
+def read_logs(*paths: Path) -> tuple[dict[tuple[int, int], str], dict[int, str]]:
+    """(rank, step) -> loss hex, and rank -> final parameter hash, over several processes' logs."""
+    losses: dict[tuple[int, int], str] = {}
+    finals: dict[int, str] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "final" in rec:
+                finals[rec["rank"]] = rec["final"]
+            else:
+                key = (rec["rank"], rec["step"])
+                assert key not in losses, f"step {key} logged twice"
+                losses[key] = rec["loss"]
+    return losses, finals
