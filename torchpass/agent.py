@@ -279,9 +279,11 @@ class Agent:
                             f"(step {rejoin.step}), send recover again")
                 rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, rejoin.gen, str(exc))
                 source = rejoin.source
-        meta = rec["torchpass"]
+        meta, user = rec["torchpass"], rec["user"]
+        if handover.has_local_shards(user):
+            user = handover.sharded_like(user, self.save_fn(), rank=self.rank)
         ddp_layout.replay(group, meta["ddp"])
-        self.load_fn(rec["user"])
+        self.load_fn(user)
         steps.restore(meta["step"])
         extra = {"bytes": rejoin.donated_bytes, "seconds": rejoin.donated_seconds} if rejoin else {}
         self.rejoin = None  # the own state of a survivor is loaded; drop it (it holds the old model)

@@ -335,6 +335,17 @@ class TorchPassGroup(dist.ProcessGroup):
             chunk.copy_(inp)
         return _done([output])
 
+    def _local_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], *_: Any) -> Any:
+        """distribute_tensor (tensor parallel) scatters a freshly initialised weight from one rank.
+        On a joining rank the values are placeholders that register() replaces with the donor's
+        state: the source keeps its own chunk, the others zeros."""
+        for i, out in enumerate(outputs):
+            if inputs and inputs[i]:
+                out.copy_(inputs[i][self.rank()])
+            else:
+                out.zero_()
+        return _done(outputs)
+
     def _local_barrier(self, *_: Any) -> Any:
         return _done([])
 
@@ -343,6 +354,7 @@ _LOCAL = {
     "broadcast": TorchPassGroup._local_broadcast,
     "allgather": TorchPassGroup._local_allgather,
     "all_gather_single": TorchPassGroup._local_all_gather_single,
+    "scatter": TorchPassGroup._local_scatter,
     "barrier": TorchPassGroup._local_barrier,
 }
 

@@ -1,25 +1,74 @@
 """Moving one rank's state to a joining rank: the hand-over record (the user's save() state plus
 TorchPass's own: the step and the DDP bucket layouts), sent by the donor to a file or through the
-wormhole, and received on the joiner. Where the state goes is launchpad's choice (``dest``)."""
+wormhole, and received on the joiner. Where the state goes is launchpad's choice (``dest``).
+Sharded tensors (DTensor: FSDP2, HSDP, tensor parallel, a DCP state dict) travel as their local
+shard; the joiner puts each back on its own mesh with the placements of its own state (it built
+the same model and mesh), with no collective."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchpass_common.errors import WorkerError
 
 FORMAT = 1
 _POLL = 0.005
+_SHARD = "__torchpass_local_shard__"  # marks a DTensor sent as {_SHARD: local tensor, "shape": [...]}
 
 
 def record(user_state: Any, step: int, ddp: list[dict[str, Any]]) -> dict[str, Any]:
     """The hand-over record for ``user_state`` taken after ``step`` completed steps."""
-    return {"torchpass": {"format": FORMAT, "step": step, "ddp": ddp}, "user": user_state}
+    return {"torchpass": {"format": FORMAT, "step": step, "ddp": ddp}, "user": _local_shards(user_state)}
+
+
+def _map(fn: Any, obj: Any, *others: Any) -> Any:
+    """``obj`` with ``fn(leaf, *other_leaves)`` at each leaf, walking dicts, lists and tuples (and
+    ``others`` of the same structure alongside, None where they lack a part)."""
+    if isinstance(obj, dict) and _SHARD not in obj:
+        out = {k: _map(fn, v, *(o.get(k) if isinstance(o, dict) else None for o in others)) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if isinstance(obj, list | tuple):
+        items = [_map(fn, v, *(o[i] if isinstance(o, list | tuple) and i < len(o) else None for o in others))
+                 for i, v in enumerate(obj)]
+        return type(obj)(items) if isinstance(obj, list) else tuple(items)
+    return fn(obj, *others)
+
+
+def _local_shards(state: Any) -> Any:
+    return _map(lambda v: {_SHARD: v.to_local(), "shape": list(v.shape)} if isinstance(v, DTensor) else v, state)
+
+
+def sharded_like(state: Any, own: Any, *, rank: int) -> Any:
+    """``state`` (a received record's user state) with each local shard a DTensor again, placed
+    like the same entry of ``own`` (this rank's save() of the model it built)."""
+    def place(value: Any, mine: Any) -> Any:
+        if not (isinstance(value, dict) and _SHARD in value):
+            return value
+        if not isinstance(mine, DTensor) or list(mine.shape) != value["shape"]:
+            raise WorkerError(f"the donor's state holds a sharded tensor of shape {value['shape']} where this "
+                              f"rank's own state has {type(mine).__name__} {list(getattr(mine, 'shape', []))}",
+                              hint="donor and joiner must build the same model on the same mesh", rank=rank)
+        local = value[_SHARD]
+        if local.shape != mine.to_local().shape:
+            raise WorkerError(f"the donor's shard has shape {list(local.shape)}, this rank's "
+                              f"{list(mine.to_local().shape)}: the ranks disagree about the mesh",
+                              hint="every rank must build the same DeviceMesh", rank=rank)
+        return DTensor.from_local(local.to(mine.device), mine.device_mesh, mine.placements, run_check=False,
+                                  shape=mine.shape, stride=mine.stride())
+    return _map(place, state, own)
+
+
+def has_local_shards(state: Any) -> bool:
+    found: list[bool] = []
+    _map(lambda v: found.append(True) if isinstance(v, dict) and _SHARD in v else None, state)
+    return bool(found)
 
 
 def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:

@@ -8,13 +8,23 @@ gloo run."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+from pathlib import Path
 
 import pytest
 
-from tests.support.agent_driver import WAIT, read_logs
+from tests.support.agent_driver import ROOT, WAIT, read_logs
 from torchpass_common import agent_channel as ac
 
 WORLD, STEPS = 4, 14
+FSDP_EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 HSDP_SCRIPT = r'''
 import argparse, hashlib, json, time
@@ -85,19 +95,22 @@ def _finished(d, procs) -> None:
         assert rc in (0, -6), (proc.args, rc)  # -6: torch 2.13 gloo teardown abort after the final line
 
 
-@pytest.mark.slow
-def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(drivers, tmp_path):
-    script = tmp_path / "hsdp.py"
-    script.write_text(HSDP_SCRIPT)
-    ref = drivers("reference", WORLD, ["--steps", str(STEPS)], script)
+def _replace_rank(drivers, script: Path, args: list[str], leaving: int, transport: str) -> None:
+    """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
+    (state through a file or the wormhole); losses and final parameters must be bit-identical."""
+    ref = drivers("reference", WORLD, ["--steps", str(STEPS), *args], script)
     ref_logs = [ref.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
     _finished(ref, [ref.start(r, ref_logs[r], agent=False) for r in range(WORLD)])
     ref_losses, ref_finals = read_logs(*ref_logs)
     assert len(ref_losses) == WORLD * STEPS and len(set(ref_finals.values())) == 1
 
-    leaving = 2
-    d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05"], script)
-    source = {"path": str(d.tmp / "handover.pt")}
+    d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05", *args], script)
+    if transport == "file":
+        dest = source = {"path": str(d.tmp / "handover.pt")}
+    else:
+        token, port = os.urandom(32).hex(), free_port()
+        source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+        dest = {"host": "127.0.0.1", "port": port, "token": token}
     joiner_log = d.tmp / "joiner.jsonl"
     joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
     new = d.hellos.get(timeout=WAIT)
@@ -108,7 +121,7 @@ def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(
     d.connect(WORLD)
     d.wait_steps(3)
     at_step = d.pause_all(gen=2, margin=3)
-    d.send(leaving, ac.SAVE, dest=source)
+    d.send(leaving, ac.SAVE, dest=dest)
     assert d.expect(leaving, ac.SAVED)["bytes"] > 0
     assert new.inbox.get(timeout=WAIT) == {"t": ac.JOINED, "step": at_step}
     d.send(leaving, ac.EXIT)
@@ -122,3 +135,18 @@ def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(
     assert losses == ref_losses
     assert finals == ref_finals
     assert min(s for (_, s) in read_logs(joiner_log)[0]) == at_step
+
+
+@pytest.mark.slow
+def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(drivers, tmp_path):
+    script = tmp_path / "hsdp.py"
+    script.write_text(HSDP_SCRIPT)
+    _replace_rank(drivers, script, [], leaving=2, transport="file")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["fsdp", "tp"])
+def test_replacing_a_rank_of_the_fsdp2_example_moves_its_dcp_shards_bit_identically(drivers, mesh):
+    """contrib/examples/fsdp_train.py: save/load are DCP get_state_dict/set_state_dict of DTensor
+    shards; they cross the wormhole as local shards and become DTensors on the joiner's mesh."""
+    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], leaving=1, transport="wormhole")
