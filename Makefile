@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEVCLUSTER := contrib/devcluster/devcluster
 
-.PHONY: setup deps venv spank test unit lint demo clean-cluster
+.PHONY: setup deps venv spank test test-matrix unit lint demo clean-cluster
 
 setup: deps venv spank
 
@@ -34,7 +34,11 @@ unit: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=20
+
+# The long cases CI leaves out: more layouts and modes of what CI tests once, soaks, fuzzing.
+test-matrix: setup
+	$(VENV)/bin/pytest -q -m "matrix or soak or fuzz" --durations=20
 
 demo: setup
 	@$(VPY) -m contrib.demo

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchpass_common.errors import WorkerError
 
@@ -41,8 +41,16 @@ def _map(fn: Any, obj: Any, *others: Any) -> Any:
     return fn(obj, *others)
 
 
+def _shard_position(t: DTensor) -> list[int | None]:
+    """Which shard of ``t`` this rank holds: its mesh coordinate on each sharded dimension (None
+    on replicated ones, where any replica holds the same data)."""
+    coord = t.device_mesh.get_coordinate() or []
+    return [None if isinstance(p, Replicate) else c for c, p in zip(coord, t.placements, strict=True)]
+
+
 def _local_shards(state: Any) -> Any:
-    return _map(lambda v: {_SHARD: v.to_local(), "shape": list(v.shape)} if isinstance(v, DTensor) else v, state)
+    return _map(lambda v: {_SHARD: v.to_local(), "shape": list(v.shape), "position": _shard_position(v)}
+                if isinstance(v, DTensor) else v, state)
 
 
 def sharded_like(state: Any, own: Any, *, rank: int) -> Any:
@@ -56,6 +64,11 @@ def sharded_like(state: Any, own: Any, *, rank: int) -> Any:
                               f"rank's own state has {type(mine).__name__} {list(getattr(mine, 'shape', []))}",
                               hint="donor and joiner must build the same model on the same mesh", rank=rank)
         local = value[_SHARD]
+        if value["position"] != _shard_position(mine):
+            raise WorkerError(f"the donor holds shard {value['position']} of a sharded tensor, this rank needs shard "
+                              f"{_shard_position(mine)}: the donor is no replica of this rank's state",
+                              hint="only a rank at the same shard position (HSDP: another replica group) can "
+                                   "donate; with pure FSDP or tensor parallel no replica exists", rank=rank)
         if local.shape != mine.to_local().shape:
             raise WorkerError(f"the donor's shard has shape {list(local.shape)}, this rank's "
                               f"{list(mine.to_local().shape)}: the ranks disagree about the mesh",

@@ -215,8 +215,9 @@ class Drill:
                                               lambda: drill_gpu.decision(self.daemon, rep.job_id))
         workers = self._wait(f"the ranks on {victim}",
                              lambda: (((self._job() or {}).get("launchpads") or {}).get(victim) or {}).get("workers"))
-        self._note(f"torchpassd drained {victim} (rank {workers[0]['rank']}): {rep.drain_reason}")
-        return victim, workers[0]["rank"]
+        rep.moved_ranks = sorted(w["rank"] for w in workers)
+        self._note(f"torchpassd drained {victim} (ranks {rep.moved_ranks}): {rep.drain_reason}")
+        return victim, rep.moved_ranks[0]
 
     def _drain_and_migrate(self, victim: str, rank: int, workdir: Path) -> None:
         rep = self.report

@@ -5,10 +5,12 @@ as a site install does), and helpers that submit the example training job and wa
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -173,9 +175,10 @@ class Training:
     the job's launchpads find the site's config where the SPANK plugin's ``config=`` points."""
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
-                 nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, mode: str = "aware", env: str = "") -> None:
+                 nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware",
+                 env: str = "") -> None:
         """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
-        (``mode``: its --torchpass mode); ``env``: test-only fault hooks, "NAME=value ..."."""
+        (with ``args``; ``mode``: its --torchpass mode); ``env``: test-only fault hooks, "NAME=value ..."."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
@@ -183,7 +186,7 @@ class Training:
         install_site_config(cluster, config)
         script = ("#!/bin/bash\n" + (f"export {env}\n" if env else "") +
                   f"srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:29500 "
-                  f"{script} --steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
+                  f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)
         res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", f"-N{nodes}", "-o",
@@ -225,6 +228,26 @@ def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], 
             cache[(steps, script)] = read_log(log)
         return cache[(steps, script)]
     return get
+
+
+PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)  # the examples' progress lines
+
+
+def sacct_state(devcluster: DevCluster, job: str) -> str:
+    """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``)."""
+    out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
+    return " ".join(out.strip().splitlines()[-1].split("|"))
+
+
+def assert_every_line_once(job: Training) -> None:
+    """The job's output holds each rank's progress line for each step exactly once (the moved
+    ranks' lines after the migration too), and no task of the job was reported failed."""
+    out = job.out.read_text()
+    lines = Counter((int(r), int(s)) for r, s in PROGRESS.findall(out))
+    want = {(r, s) for r in range(job.world) for s in range(job.steps)}
+    assert set(lines) == want, f"missing: {sorted(want - set(lines))[:10]}"
+    assert max(lines.values()) == 1, [k for k, v in lines.items() if v > 1][:10]
+    assert "srun: error" not in out and "Killed" not in out, out[-2000:]
 
 
 def assert_bit_identical(got: tuple[list[tuple[int, int, str]], dict[int, str]],

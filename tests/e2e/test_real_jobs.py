@@ -7,7 +7,6 @@ progress lines exactly once (after a node died, the step that failed is replayed
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical
+from tests.e2e.conftest import (
+    PROGRESS,
+    Daemon,
+    Training,
+    assert_bit_identical,
+    assert_every_line_once,
+    sacct_state,
+)
 from tests.support.devcluster import DevCluster
 from torchpassd.drill import EXAMPLE, DrillReport, read_log
 from torchpassd.drill_transparent import SCRIPT as TUTORIAL
@@ -25,7 +31,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
 STEPS, STEP_SLEEP = 150, 0.2
 NODES, NPROC = 3, 2
-PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)
 
 
 def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
@@ -36,23 +41,6 @@ def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> tuple[list
                     str(script), "--steps", str(STEPS), "--log", str(log)], check=True, timeout=600,
                    capture_output=True)
     return read_log(log)
-
-
-def sacct_state(devcluster: DevCluster, job: str) -> str:
-    """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``)."""
-    out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
-    return " ".join(out.strip().splitlines()[-1].split("|"))
-
-
-def assert_every_line_once(job: Training) -> None:
-    """The job's output holds each rank's progress line for each step exactly once (the moved
-    ranks' lines after the migration too), and no task of the job was reported failed."""
-    out = job.out.read_text()
-    lines = Counter((int(r), int(s)) for r, s in PROGRESS.findall(out))
-    want = {(r, s) for r in range(job.world) for s in range(job.steps)}
-    assert set(lines) == want, f"missing: {sorted(want - set(lines))[:10]}"
-    assert max(lines.values()) == 1, [k for k, v in lines.items() if v > 1][:10]
-    assert "srun: error" not in out and "Killed" not in out, out[-2000:]
 
 
 @pytest.mark.criu

@@ -55,9 +55,10 @@ def test_drill_unplanned_kill_of_a_two_rank_node(torchpassd: Daemon, tp_config: 
     assert 0 <= report["detect_s"] < 5 and 0 < report["pause_s"] < 90, report  # Last Will: within seconds
 
 
-def test_drill_unplanned_network_cut(torchpassd: Daemon, tp_config: Path) -> None:
-    report = _drill(tp_config, "unplanned-cut")
+def test_drill_unplanned_network_cut_of_a_two_rank_node(torchpassd: Daemon, tp_config: Path) -> None:
+    report = _drill(tp_config, "unplanned-cut", "--nodes", "3", "--nproc-per-node", "2")
     _assert_drill_ok(report, "cut")
+    assert len(report["moved_ranks"]) == 2, report
     # Heartbeat silence decides a cut (the broker's Last Will comes only after 1.5 x keepalive).
     assert 0 <= report["detect_s"] < 15, report
 

@@ -19,7 +19,7 @@ from tests.support.devcluster import DevCluster
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
 TORCHPASSCTL = str(Path(sys.executable).parent / "torchpassctl")
-VICTIM = "n4"  # the drill degrades the job's last node (n1 is the batch host, n5 the spare)
+VICTIM = "n3"  # the drill degrades the job's last node (n1 is the batch host, n5 the spare)
 REASON = "torchpass: GPU0 XID 79 (fell off the bus)"
 
 
@@ -34,7 +34,8 @@ def test_gpu_degrade_drill_drains_the_node_naming_the_xid_and_migrates_first(
         res = subprocess.run([*ctl, "nodes", "--json"], capture_output=True, text=True, timeout=60, check=True)
         return {n["node"]: n for n in json.loads(res.stdout)["nodes"]}
 
-    drill = subprocess.Popen([*ctl, "drill", "--mode", "gpu-degrade", "--json", "--step-sleep", "0.15"],
+    drill = subprocess.Popen([*ctl, "drill", "--mode", "gpu-degrade", "--json", "--step-sleep", "0.15",
+                              "--nodes", "3", "--nproc-per-node", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # the replay goes on after the XID: the GPU is lost two samples later, the node already drained
@@ -54,4 +55,5 @@ def test_gpu_degrade_drill_drains_the_node_naming_the_xid_and_migrates_first(
     assert (report["mode"], report["drain_reason"], report["migrated_from"], report["migrated_to"]) == \
         ("gpu-degrade", REASON, VICTIM, "n5"), report
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["job_state"] == "COMPLETED" and len(report["moved_ranks"]) == 2, report
     assert devcluster.node_state(VICTIM) in ("idle", "mixed", "allocated")  # the drill resumed it
