@@ -3,7 +3,9 @@ launchpad, and a network cut of one node, each during idle training and during a
 migration. Every case ends with the job running and nothing lost (bit-identical to an
 uninterrupted run) or with a clear, reported failure; the matrix is printed at the end of the run
 (tests/support/fault_matrix.py). torchpassd and broker kills during a migration are the cases in
-test_planned_migration.py, which record their cells too."""
+test_planned_migration.py, which record their cells too and run in CI (with the unplanned kills
+and cuts of test_unplanned_migration.py); the rest of the matrix runs under ``-m matrix``
+(make test-matrix)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tests.support.fault_matrix import OK, FaultMatrix
 from torchpassd.drill import DrillReport
 from torchpassd.drill_unplanned import judge
 
-pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.matrix]
 IDLE_STEP_SLEEP = 0.4  # room for three faults, their repair and checks before the run ends
 SHORT_CUT_S = 2.5  # a partition shorter than heartbeat loss detection (1 s x 5 in the e2e config)
 

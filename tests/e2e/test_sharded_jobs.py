@@ -65,3 +65,25 @@ def test_aware_drain_of_a_sharded_job_moves_the_nodes_shards_and_ends_completed(
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
     assert_every_line_once(job)
+
+
+@pytest.mark.criu
+def test_transparent_drain_of_an_fsdp2_job_moves_its_worker_processes_and_ends_completed(
+        criu: None, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """No help from the script: CRIU captures the node's two FSDP2 worker processes (their gloo
+    communicators re-formed around the dump) and restores them on the spare."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   script=EXAMPLE, args="--mesh fsdp", mode="transparent")
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5" and mig["mode"] == "planned-transparent", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["plan"]["ranks"]) == moved and len(moved) == NPROC, handed
+    devcluster.resume(victim)
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "fsdp"))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    assert_every_line_once(job)
