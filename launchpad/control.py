@@ -37,6 +37,7 @@ class ControlPlane:
         self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
+        self.commands.handlers["health_replay"] = self._health_replay
 
     def _client(self, credentials: tuple[str, str] | None) -> mqtt.ControlClient:
         will = protocol.encode(protocol.STATE, job=self.job, gen=self.agent.gen,
@@ -103,6 +104,13 @@ class ControlPlane:
             with contextlib.suppress(TimeoutError):  # a worker interrupted: beat at once
                 await asyncio.wait_for(self._beat_now.wait(), interval)
             self._beat_now.clear()
+
+    async def _health_replay(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
+        """The gpu-degrade drill's fault (torchpassd's health_replay, on the operator's request):
+        this node's GPU samples come from ``recording`` from now on. A TelemetryError if malformed."""
+        source = f"{args.get('source') or 'recording'} (sent by torchpassd, {migration})"
+        await self.telemetry.replay(args.get("recording"), source)
+        return {"node": self.node}
 
     async def _commands(self) -> None:
         async for _topic, msg in self.client.messages():

@@ -34,10 +34,6 @@ if TYPE_CHECKING:
     from launchpad.channel import WorkerLink
 
 ENV_RESTORE_TARGET = "TORCHPASS_RESTORE_TARGET"  # "1": start no worker, wait for one criu restores here
-# Fault injection for tests, in the job's environment: "dump" (criu dump without --tcp-close, which
-# criu refuses for the worker's live store connection) or "restore" (the memory pages lost on the
-# way). Both make criu itself fail; the flow must then keep or bring back the original worker.
-ENV_FAULT = "TORCHPASS_CRIU_FAULT"
 _SOCKETS_CLOSED_S = 10.0
 
 
@@ -145,6 +141,16 @@ class Transparent:
                 return link, w
         raise WorkerError("no running (non-joining) worker has this rank here", rank=rank, node=self.agent.node)
 
+    def _fault(self, kind: str) -> bool:
+        """The site config asks this CRIU step to fail (faults.criu, drills and tests only): "dump"
+        runs criu dump without --tcp-close, which criu refuses for the worker's live store
+        connection; "restore" loses the memory pages on the way. The flow must then keep or bring
+        back the original worker."""
+        if self.agent.config.faults.criu != kind:
+            return False
+        log.get(node=self.agent.node).warning("criu.fault_injected", step=kind, hint="faults.criu is set in the site config")
+        return True
+
     def _stop_servers(self) -> None:
         for inc in self.incoming.values():
             inc.server.stop()
@@ -216,7 +222,7 @@ class Transparent:
         pipes = {str(fd): name for fd, name in criu_spawn.stdio_pipes(w.pid).items()}  # msgpack: str keys
         resources = {"pipes": pipes, "control": os.readlink(f"/proc/{w.pid}/fd/{ctl_fd}")}
         images = self.agent._tmp / f"dump-{migration[:12]}-{rank}"
-        fault = os.environ.get(ENV_FAULT) == "dump"
+        fault = self._fault("dump")
         try:
             dumped = await asyncio.to_thread(runner.dump, w.pid, images, tcp_close=not fault, page_server=page,
                                              timeout=timeouts.decision, where=where)
@@ -328,7 +334,7 @@ class Transparent:
         except TorchPassError as exc:
             inc.server.stop()
             raise MigrationError(f"the worker's images did not arrive: {exc.message}", **where) from exc
-        if os.environ.get(ENV_FAULT) == "restore":
+        if self._fault("restore"):
             for f in inc.images.glob("pages-*.img"):
                 f.unlink()
         res = received["resources"]

@@ -120,6 +120,19 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class FaultsConfig:
+    """Fault injection for drills and tests, set by the operator in the site config (never by a
+    job): ``criu = "dump"`` makes every CRIU dump fail (criu refuses the worker's live TCP
+    connection), ``"restore"`` every restore (the memory pages lost on the way). Empty in production."""
+
+    criu: str = ""
+
+    def validate(self) -> None:
+        if self.criu not in ("", "dump", "restore"):
+            raise ConfigError(f"faults.criu must be \"dump\", \"restore\" or empty, got {self.criu!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration; ``source`` is the file it came from (None: built-in defaults)."""
 
@@ -129,6 +142,7 @@ class Config:
     wormhole: WormholeConfig = field(default_factory=WormholeConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     health: HealthConfig = field(default_factory=HealthConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     source: str | None = None
 
 

@@ -26,6 +26,7 @@ KINDS = frozenset({HEARTBEAT, STATE, COMMAND, ACK, EVENT})
 COMMANDS = frozenset({"recover",  # unplanned: an interrupted survivor donates its state, re-enters, loads
                       "pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
                       "notice",  # a line for the job's own output: why it is not protected right now
+                      "health_replay",  # the gpu-degrade drill: sample a recorded failing GPU from now on
                       # transparent (criu) moves: launchpad/transparent.py
                       "preflight", "prepare_restore", "checkpoint", "restore", "discard", "resume_original"})
 

@@ -256,7 +256,24 @@ class Orchestrator:
                                            limit=int(args.get("limit", 50)))
             return [asdict(r) for r in recs]
 
-        return {"status": status, "jobs": jobs, "migrate": migrate, "history": history}
+        async def health_replay(args: dict[str, Any]) -> dict[str, Any]:
+            """Fault injection for the gpu-degrade drill: ``node``'s launchpad in ``job`` samples
+            ``recording`` (a FAKE NVML replay, launchpad/telemetry/replay.py) from now on."""
+            job, node = str(args.get("job", "")), str(args.get("node", ""))
+            view = self.d.registry.jobs.get(job)
+            lp = view.launchpads.get(node) if view else None
+            if lp is None or not lp.online:
+                raise MigrationError(f"no launchpad of job {job} is online on {node}", job=job,
+                                     hint="torchpassctl jobs lists each job's nodes and launchpads")
+            await self.d.commander.send(job, node, "health_replay", migration=f"drill-{uuid.uuid4().hex[:12]}",
+                                        gen=lp.gen, args={"recording": args.get("recording"),
+                                                          "source": str(args.get("source", ""))},
+                                        timeout=self.d.cfg.timeouts.reform)
+            self.log.warning("health.replay_injected", job=job, node=node, source=args.get("source"))
+            return {"job": job, "node": node}
+
+        return {"status": status, "jobs": jobs, "migrate": migrate, "history": history,
+                "health_replay": health_replay}
 
 
 async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics,

@@ -29,7 +29,7 @@ TERMINAL = ("succeeded", "failed", "rolled_back")
 
 _JOB_SCRIPT = """#!/bin/bash
 # TorchPass drill: the example DDP job as a user writes it, rendezvous on the batch host.
-{prelude}srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:{port} \\
+srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:{port} \\
     {example} {args} --log {log}
 """
 
@@ -106,7 +106,8 @@ class Drill:
     def __init__(self, cfg: Config, settings: DrillSettings, say: Callable[[str], None], mode: str = MODES[0]) -> None:
         self.cfg, self.s, self.say, self.mode = cfg, settings, say, mode
         if mode == drill_gpu.MODE:  # the replayed GPU must reach its XID while the job still trains
-            self.s = replace(settings, steps=max(settings.steps, drill_gpu.min_steps(cfg, settings.step_sleep)))
+            self.s = replace(settings, steps=max(settings.steps, settings.warmup_steps
+                                                 + drill_gpu.min_steps(cfg, settings.step_sleep)))
         self.daemon = DaemonClient(cfg.orchestrator.control_socket)
         self.runner = runner_for(cfg.slurm)
         self.slurm = open_client(cfg.slurm)
@@ -135,7 +136,11 @@ class Drill:
             workdir.mkdir(parents=True, mode=0o755)
             rep.workdir = str(workdir)
             self._submit(workdir)
-            victim, rank = self._wait_gpu_drain() if self.mode == drill_gpu.MODE else self._wait_training()
+            victim, rank = self._wait_training()
+            if self.mode == drill_gpu.MODE:
+                drill_gpu.inject(self.daemon, rep.job_id, victim)
+                self._note(f"{victim}'s launchpad replays a degrading GPU ({drill_gpu.RECORDING.name})")
+                victim, rank = self._wait_gpu_drain()
             if self.mode in drill_unplanned.MODES:
                 drill_unplanned.run(self, victim, rank, workdir)  # kill (or cut) instead of a drain
             else:
@@ -175,8 +180,7 @@ class Drill:
         s = self.s
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
-            nproc=s.nproc, prelude=drill_gpu.job_prelude() if self.mode == drill_gpu.MODE else "",
-            nodes=s.nodes, port=s.rdzv_port, example=self.script,
+            nproc=s.nproc, nodes=s.nodes, port=s.rdzv_port, example=self.script,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
             log=workdir / "train.log"))
         out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", f"-N{s.nodes}",
@@ -208,8 +212,8 @@ class Drill:
         return victim, self.report.moved_ranks[0]
 
     def _wait_gpu_drain(self) -> tuple[str, int]:
-        """gpu-degrade: until torchpassd's health policy drains one of the job's nodes (the replay
-        may reach its XID before every rank trains); that node and its rank."""
+        """gpu-degrade: until torchpassd's health policy drains one of the job's nodes; that node
+        and its first rank."""
         rep = self.report
         victim, rep.drain_reason = self._wait("torchpassd to drain a node for its GPU",
                                               lambda: drill_gpu.decision(self.daemon, rep.job_id))

@@ -1,17 +1,17 @@
-"""What ``torchpassctl drill --mode gpu-degrade`` adds to the planned-aware drill: the job's last
-node (never the batch host) replays contrib/health/degrading.json through its launchpad's
-collector (the FAKE NVML: corrected ECC climbing, then XID 79, then the GPU lost), the training
-runs long enough for the replay to reach the XID, and the drill waits for torchpassd's health
-policy to drain a node of the job instead of draining one itself, reporting the drain reason."""
+"""What ``torchpassctl drill --mode gpu-degrade`` adds to the planned-aware drill: once the job
+trains, torchpassd tells the launchpad on the job's last node (never the batch host) to replay
+contrib/health/degrading.json instead of sampling its GPUs (the FAKE NVML: corrected ECC climbing,
+then XID 79, then the GPU lost; torchpassd's ``health_replay``, fault injection for drills); the
+training runs long enough for the replay to reach the XID, and the drill waits for torchpassd's
+health policy to drain a node of the job instead of draining one itself, reporting the drain
+reason. The job script is the user's: nothing is exported into it."""
 
 from __future__ import annotations
 
 import json
 import math
-import shlex
 from pathlib import Path
 
-from launchpad.telemetry.sampler import REPLAY_ENV
 from torchpass_common.config import Config
 from torchpassd.ctl_client import DaemonClient
 
@@ -20,10 +20,10 @@ RECORDING = Path(__file__).resolve().parents[1] / "contrib" / "health" / "degrad
 MIGRATION_MARGIN_S = 30.0  # training still running this long after the XID, for the migration
 
 
-def job_prelude() -> str:
-    """Shell lines for the drill's batch script: only the job's last node replays the recording."""
-    return (f'export {REPLAY_ENV}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n1)='
-            f'{shlex.quote(str(RECORDING))}"\n')
+def inject(daemon: DaemonClient, job: str, node: str) -> None:
+    """Make ``node``'s launchpad in ``job`` replay the degrading GPU from now on."""
+    daemon.call("health_replay", job=job, node=node, recording=json.loads(RECORDING.read_text()),
+                source=str(RECORDING))
 
 
 def min_steps(cfg: Config, step_sleep: float) -> int:

@@ -50,9 +50,14 @@ class ReplayBackend:
         except (OSError, ValueError) as exc:
             raise TelemetryError(f"cannot read the GPU recording {path}: {exc}",
                                  hint="point TORCHPASS_HEALTH_REPLAY at a file like contrib/health/degrading.json") from exc
+        return cls.validated(rec, str(path), start=start)
+
+    @classmethod
+    def validated(cls, rec: Any, source: str, *, start: float | None = None) -> ReplayBackend:
+        """A replay of ``rec`` once it has the recording's shape (TelemetryError if not)."""
         if not isinstance(rec, dict) or not isinstance(rec.get("steps"), list) or not rec["steps"]:
-            raise TelemetryError(f"GPU recording {path} has no steps", hint="see launchpad/telemetry/replay.py for the format")
-        return cls(rec, source=str(path), start=start)
+            raise TelemetryError(f"GPU recording {source} has no steps", hint="see launchpad/telemetry/replay.py for the format")
+        return cls(rec, source=source, start=start)
 
     def open(self) -> list[GpuIdentity]:
         if self.rec.get("nvml") == "absent":

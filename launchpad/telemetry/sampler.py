@@ -49,7 +49,7 @@ class Sampler:
     is the ``gpu`` entry of the next heartbeat (None when nothing new was sampled)."""
 
     def __init__(self, cfg: HealthConfig, node: str, backend: NvmlBackend | None = None) -> None:
-        self.cfg = cfg
+        self.cfg, self.node = cfg, node
         self.collector = Collector(backend or open_backend(node), node=node)
         self.encoder = DeltaEncoder()
         self.latest: dict[str, Any] | None = None
@@ -71,6 +71,20 @@ class Sampler:
                 await self._task
         self._pool.submit(self.collector.close)
         self._pool.shutdown(wait=False)
+
+    async def replay(self, recording: dict[str, Any], source: str) -> None:
+        """From now on sample ``recording`` (the FAKE NVML replay) instead of this node's GPUs:
+        the gpu-degrade drill's fault, sent by torchpassd on the operator's request."""
+        backend = ReplayBackend.validated(recording, source)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        old, self.collector = self.collector, Collector(backend, node=self.node)
+        await asyncio.get_running_loop().run_in_executor(self._pool, old.close)
+        self.encoder, self.latest, self._fresh = DeltaEncoder(), None, False  # a keyframe of the new GPUs next
+        self._log.warning("health.replay_in_use", recording=source)
+        self._task = asyncio.create_task(self._run())
 
     def heartbeat_part(self) -> dict[str, Any]:
         """``{"gpu": <keyframe or delta>}`` for a new sample, else ``{}``."""

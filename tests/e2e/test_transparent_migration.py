@@ -53,8 +53,9 @@ def test_drill_planned_transparent_reports_ok_and_bit_identical(torchpassd: Daem
 
 def _failed_move(fault: str, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path,
                  reference) -> dict:  # noqa: ANN001 - fixture factory
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, script=SCRIPT,
-                   mode="transparent", env=f"TORCHPASS_CRIU_FAULT={fault}")
+    site = workdir / "faulty.toml"  # the operator's fault injection: every CRIU dump (or restore) fails
+    site.write_text(tp_config.read_text() + f'[faults]\ncriu = "{fault}"\n')
+    job = Training(devcluster, site, workdir, steps=STEPS, step_sleep=STEP_SLEEP, script=SCRIPT, mode="transparent")
     job.wait_running(torchpassd)
     devcluster.drain("n3", "planned maintenance")
     mig = torchpassd.wait_migration(job.job, "n3", timeout=240)

@@ -45,6 +45,7 @@ def test_explicit_missing_file_is_an_error(tmp_path):
         ("[wormhole]\nstreams = 0", "wormhole.streams"),
         ("[timeouts]\ncollective = 90", r"timeouts.collective \(90.0 s\) must be shorter than timeouts.step"),
         ("[orchestrator]\ndrills_enabled = 1", "must be of type bool"),
+        ("[faults]\ncriu = 'both'", "faults.criu must be"),
     ],
 )
 def test_bad_config_names_file_and_key(text, match, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import structlog
 
 from launchpad.telemetry import pynvml_backend
-from launchpad.telemetry.backend import GpuLost, NoNvml, NvmlFailure, Unsupported
+from launchpad.telemetry.backend import GpuLost, NoNvml, NvmlFailure, TelemetryError, Unsupported
 from launchpad.telemetry.collector import ABSENT, Collector
 from launchpad.telemetry.encoding import DeltaDecoder
 from launchpad.telemetry.replay import ReplayBackend
@@ -163,6 +163,29 @@ def test_the_sampler_does_nothing_more_without_nvml() -> None:
             assert sampler.heartbeat_part()["gpu"]["n"] == ABSENT
             await asyncio.sleep(0.1)
             assert sampler.samples == 1 and sampler.heartbeat_part() == {}
+    asyncio.run(main())
+
+
+def test_a_replay_sent_at_run_time_takes_over_from_a_node_without_nvml() -> None:
+    """The gpu-degrade drill's fault (torchpassd's health_replay): a node that said "no NVML"
+    samples the recording from then on, starting with a keyframe of its GPUs; a malformed
+    recording is refused and the node keeps what it had."""
+    async def main() -> None:
+        decoder = DeltaDecoder()
+        async with Sampler(HealthConfig(sample_interval=0.01), "n3",
+                           backend=ReplayBackend({"nvml": "absent", "steps": [{}]})) as sampler:
+            await _until(lambda: sampler.samples == 1)
+            assert decoder.apply(sampler.heartbeat_part()["gpu"])["nvml"] == ABSENT
+            with pytest.raises(TelemetryError, match="has no steps"):
+                await sampler.replay({"steps": []}, "broken.json")
+            await sampler.replay(json.loads((HEALTH / "degrading.json").read_text()), "degrading.json")
+            decoder, seen = DeltaDecoder(), []  # a receiver joining now: the first part is a keyframe
+            while not seen or seen[-1]["gpus"]["0"]["answering"]:
+                part = sampler.heartbeat_part()
+                if part:
+                    seen.append(decoder.apply(part["gpu"]))
+                await asyncio.sleep(0.004)
+            assert seen[-1]["gpus"]["0"]["xid_79"] == 1  # the recording played to its lost GPU
     asyncio.run(main())
 
 
