@@ -40,6 +40,7 @@ class WorkerLink:
     interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
     recovering: bool = False  # from INTERRUPTED until RESUMED (unplanned recovery)
     registered: bool = False  # the script called torchpass.register(save, load)
+    replicas: list[int] | None = None  # ranks holding the same state (torchpass/layout.py); None: unknown
 
 
 class ChannelServer:
@@ -90,6 +91,8 @@ class ChannelServer:
         if kind == ac.STEP:
             link.step, link.step_at = msg["step"], time.monotonic()
             link.registered = bool(msg.get("registered", link.registered))
+            if "replicas" in msg:
+                link.replicas = msg["replicas"]
             return
         if "step" in msg:
             link.step = msg["step"]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchpad.commands import Commands
 from launchpad.telemetry.sampler import Sampler
-from torchpass_common import job_credentials, log, mqtt, protocol
+from torchpass_common import job_credentials, log, mqtt, protocol, rank_ranges
 from torchpass_common.errors import TorchPassError
 from torchpass_common.tasks import cancel_all
 
@@ -86,6 +86,7 @@ class ControlPlane:
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
                             **({"exit_code": w.returncode} if w.returncode is not None else {}),
+                            **({"replicas": rank_ranges.compact(lk.replicas)} if lk and lk.replicas is not None else {}),
                             **({"registered": lk.interruption["registered"], "error": lk.interruption["error"]}
                                if lk and lk.interruption and state == "interrupted" else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part()}

@@ -170,6 +170,15 @@ class JobResizer:
                         job=job_id, node=node)
         return self._left(job_id, node, "evicting", "slurm.node_evicted")
 
+    def requeue(self, job_id: int, node: str, reason: str) -> None:
+        """Give the job back to Slurm's queue (``scontrol requeue``): its processes end and it runs
+        again from the start of its batch script, i.e. from its last checkpoint. The dead ``node``
+        is set DOWN first (with ``reason``) so the new run is not placed on it."""
+        self.runner.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"],
+                        job=job_id, node=node)
+        self.runner.run(["scontrol", "requeue", str(job_id)], job=job_id)
+        log.get(job=job_id).warning("slurm.job_requeued", node=node, reason=reason)
+
     def _left(self, job_id: int, node: str, doing: str, event: str) -> Job:
         """Until ``node`` is out of the job; remembered for the re-join guard."""
         job = self._settle(job_id, f"{doing} {node}", lambda j: node not in j.nodes)

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from torchpass import criu_park, ddp_layout, default_group, handover, recovery, steps
+from torchpass import criu_park, ddp_layout, default_group, handover, layout, recovery, steps
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
@@ -56,6 +56,7 @@ class Agent:
         self.recovering = False  # from an interruption until the resume: an exit then is a failure
         self._armed: tuple[int, list[Any]] | None = None  # (gen, hooks) waiting for the next forward
         self._forwardless = False  # a step ran without any module forward: park at the step boundary
+        self._layout_sent = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,7 +95,10 @@ class Agent:
         last_at, last_registered = self._reported
         if self._wake or registered != last_registered or now - last_at >= REPORT_EVERY_S:
             self._reported = (now, registered)
-            self._send({"t": ac.STEP, "step": step, "registered": registered})
+            report = {"t": ac.STEP, "step": step, "registered": registered}
+            if not self._layout_sent:  # once: which ranks hold this rank's state (torchpassd's donors)
+                self._layout_sent, report["replicas"] = True, layout.replicas(self.rank)
+            self._send(report)
         if self._wake:
             self._serve_running(step)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torchpass import layout
+
 _count = 0
 _manual = False
 _boundary: Callable[[int], None] | None = None
@@ -23,7 +25,8 @@ def install() -> None:
         _hook = register_optimizer_step_post_hook(_on_optimizer_step)
 
 
-def _on_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def _on_optimizer_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    layout.saw_optimizer(optimizer)  # what it trains tells which ranks hold replicas
     if not _manual:
         _advance()
 

@@ -33,7 +33,8 @@ _HEADER = struct.Struct(">I")
 
 # worker -> agent
 HELLO = "hello"
-STEP = "step"  # also says "registered": whether the script called torchpass.register(save, load)
+STEP = "step"  # also says "registered": whether the script called torchpass.register(save, load),
+# and once "replicas": the ranks holding the same state as this one (None: unknown), torchpass/layout.py
 PAUSED = "paused"
 PAUSE_MISSED = "pause_missed"
 SAVED = "saved"

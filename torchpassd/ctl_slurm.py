@@ -64,32 +64,35 @@ def spares(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
     return [dataclasses.asdict(s) for s in spares_of(snap, cfg.slurm.spare_reservation)]
 
 
-@_listing("jobs", ("job", "user", "state", "mode", "spares", "nodes", "batch_host"))
+@_listing("jobs", ("job", "user", "state", "mode", "spares", "nodes", "batch_host", "unplanned"))
 def jobs(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
-    """Running TorchPass jobs (submitted with --torchpass) and their nodes."""
+    """Running TorchPass jobs (submitted with --torchpass), their nodes, and what unplanned recovery
+    can do for each as torchpassd knows its layout ("-" when torchpassd does not answer)."""
     rows = []
+    unplanned = _from_daemon(cfg, "jobs", lambda j: (j["job"], j["unplanned"]))
     for job in sorted(snap.torchpass_jobs().values(), key=lambda j: j.job_id):
         flags = job.torchpass
         rows.append({"job": job.job_id, "user": job.user, "state": job.state,
                      "mode": flags.mode if flags else "", "spares": flags.spares if flags else 0,
-                     "nodes": hostlist.compress(job.nodes), "batch_host": job.batch_host})
+                     "nodes": hostlist.compress(job.nodes), "batch_host": job.batch_host,
+                     "unplanned": unplanned.get(str(job.job_id), "-")})
     return rows
 
 
-def _gpu_health(cfg: config.Config) -> dict[str, str]:
-    """Each node's latest GPU health as torchpassd last heard it; {} when torchpassd does not answer."""
+def _from_daemon(cfg: config.Config, op: str, pick: Callable[[Any], tuple[str, str]]) -> dict[str, str]:
+    """``pick`` over what torchpassd answers to ``op``; {} when it does not answer."""
     try:
-        health = DaemonClient(cfg.orchestrator.control_socket, timeout=2.0).call("health")
+        answer = DaemonClient(cfg.orchestrator.control_socket, timeout=2.0).call(op)
     except TorchPassError:
         return {}
-    return {node: h["summary"] for node, h in health.items()}
+    return dict(pick(item) for item in (answer.items() if isinstance(answer, dict) else answer))
 
 
 @_listing("nodes", ("node", "state", "healthy", "jobs", "gpu", "reason", "reason_by"))
 def nodes(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
     """Every node with its state, health, TorchPass jobs, latest GPU health (from torchpassd, "-"
     when it does not answer) and drain/down reason (a GPU drain names its signal)."""
-    gpu = _gpu_health(cfg)
+    gpu = _from_daemon(cfg, "health", lambda item: (item[0], item[1]["summary"]))  # latest GPU health
     on: dict[str, list[int]] = {}
     for job in snap.torchpass_jobs().values():
         for n in job.nodes:

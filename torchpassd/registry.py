@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from torchpass_common import protocol
-from torchpass_common.errors import MigrationError
+from torchpass_common import log, protocol, rank_ranges
+from torchpass_common.errors import MigrationError, ProtocolError
 
 T = TypeVar("T")
 
@@ -52,6 +52,7 @@ class JobView:
     batch_host: str = ""
     launchpads: dict[str, Launchpad] = field(default_factory=dict)
     blocked: str = ""  # why a wanted migration cannot start (e.g. no spare), for operators
+    replicas: dict[int, list[int]] = field(default_factory=dict)  # rank -> ranks holding the same state
 
     def launchpad(self, node: str) -> Launchpad:
         return self.launchpads.setdefault(node, Launchpad(node))
@@ -60,15 +61,40 @@ class JobView:
         lp = self.launchpads.get(node)
         return sorted(w["rank"] for w in lp.workers) if lp else []
 
+    def without_replica(self) -> list[int]:
+        """Ranks whose state no other rank holds (pure FSDP, tensor parallel): a node death loses them."""
+        return sorted(r for r, holders in self.replicas.items() if holders == [r])
+
+    def unplanned(self) -> str:
+        """What unplanned recovery can do for this job, as its workers reported their layout."""
+        if not self.replicas:
+            return "layout not reported yet"
+        alone = self.without_replica()
+        if alone:
+            return (f"unplanned: no replica of ranks {_span(alone)}, falls back to requeue "
+                    "(the job restarts from its last checkpoint)")
+        return f"unplanned: every rank has a replica (at least {min(len(h) for h in self.replicas.values())} copies)"
+
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         return {"job": self.job_id, "user": self.user, "mode": self.mode, "nodes": list(self.nodes),
-                "batch_host": self.batch_host, "blocked": self.blocked,
+                "batch_host": self.batch_host, "blocked": self.blocked, "unplanned": self.unplanned(),
                 "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
                                    "heartbeat_age": None if lp.last_heartbeat is None
                                    else round(lp.heartbeat_age(now) or 0.0, 3),
                                    "steps_per_s": round(lp.steps_per_s, 2)}
                                for n, lp in sorted(self.launchpads.items())}}
+
+
+def _span(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 6] -> "0-3, 6"."""
+    parts: list[str] = []
+    for r in ranks:
+        if parts and parts[-1].split("-")[-1] == str(r - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ", ".join(parts)
 
 
 class Registry:
@@ -107,6 +133,13 @@ class Registry:
                 lp.workers = []
         elif msg.kind == protocol.HEARTBEAT:
             lp.online, lp.gen, lp.workers, lp.last_heartbeat = True, msg.gen, list(msg.body["workers"]), now
+            view = self.job(msg.job)
+            for w in lp.workers:
+                if "replicas" in w:
+                    try:
+                        view.replicas[w["rank"]] = rank_ranges.expand(w["replicas"])
+                    except ProtocolError as exc:
+                        log.get(job=msg.job, node=node).warning("registry.bad_replicas", rank=w["rank"], error=str(exc))
             if lp._prev is not None and now > lp._prev[0] and lp.max_step >= lp._prev[1]:
                 lp.steps_per_s = (lp.max_step - lp._prev[1]) / (now - lp._prev[0])
             lp._prev = (now, lp.max_step)

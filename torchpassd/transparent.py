@@ -98,8 +98,6 @@ class TransparentMigration(planned.PlannedMigration):
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
                 "--rdzv-id", f"{p.job}-restore-{self.id[:8]}", "--no-python", "true"]
         env = {lpt.ENV_RESTORE_TARGET: "1"}
-        if lpt.ENV_FAULT in tpl.env:  # a test's fault injection follows the job to the spare
-            env[lpt.ENV_FAULT] = tpl.env[lpt.ENV_FAULT]
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:

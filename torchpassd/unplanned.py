@@ -84,6 +84,22 @@ def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dic
     return donor, laggards, c_max
 
 
+class NoReplica(MigrationError):
+    """A lost rank's state exists nowhere else (pure FSDP or tensor parallel: every rank holds its
+    own shard): nothing to rebuild it from; the job falls back to a requeue."""
+
+
+def replica_donor(rank: int, holders: list[int] | None, leaders: list[int], load: dict[int, int]) -> int | None:
+    """The surviving rank at the resume step to rebuild ``rank`` from: one of its replica
+    ``holders`` (any leader when the layout is unknown: DDP replicas), the least loaded first."""
+    pool = [r for r in leaders if holders is None or r in holders]
+    if not pool:
+        return None
+    donor = min(pool, key=lambda r: (load.get(r, 0), r))
+    load[donor] = load.get(donor, 0) + 1
+    return donor
+
+
 class RanksAlive(MigrationError):
     """The survivors completed steps after the decision: every rank, the "dead" node's too, took
     part in their all-reduce, so only its control plane (launchpad, network to the broker) was lost."""
@@ -124,6 +140,8 @@ class UnplannedRecovery(Flow):
             await self._recover()
         except RanksAlive as exc:
             return await self.stand_down(str(exc))
+        except NoReplica as exc:
+            return await self.requeue(str(exc))
         except TorchPassError as exc:
             return await self.fail(str(exc))
         return await self.finish()
@@ -157,6 +175,13 @@ class UnplannedRecovery(Flow):
         if not survivors:
             raise MigrationError("no surviving node holds a replica of the lost rank's state",
                                  hint="fall back to the job's last checkpoint", **self.where)
+        alive = {r for n in survivors if n != death.node for r in view.ranks_on(n)}
+        orphans = [r for r in death.ranks if (h := view.replicas.get(r)) is not None and not alive & set(h)]
+        if orphans:
+            raise NoReplica(f"no surviving rank holds a replica of ranks {orphans} lost with {death.node} "
+                            f"(their state is sharded: {view.unplanned()})",
+                            hint="HSDP (replicate across nodes) lets TorchPass rebuild a node; the job restarts "
+                                 "from its last checkpoint", **self.where)
         seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks)}
         p.seats.append(seat)
         p.survivors = survivors
@@ -293,13 +318,22 @@ class UnplannedRecovery(Flow):
         p = self.plan
         base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.seats)}
         args = {n: dict(base) for n in p.survivors}
-        leaders = [p.donor, *[n for n in p.survivors if n not in p.laggards and n != p.donor]]
-        token = self.token.hex()
-        lost = [(seat, i, rank) for seat in p.seats for i, rank in enumerate(seat.get("ranks") or [seat["rank"]])]
-        for k, (seat, i, rank) in enumerate(lost):  # spread lost ranks over the survivors at the step (DDP replicas)
-            args[leaders[k % len(leaders)]].setdefault("donate", []).append(
-                {"rank": rank, "dest": {"host": seat["target_addr"], "port": joiner_port(p.port, i), "token": token}})
         view = self.view()
+        token = self.token.hex()
+        rank_node = {r: n for n in p.survivors for r in view.ranks_on(n)}
+        leaders = sorted(r for r in rank_node if p.steps.get(str(r), p.resume_step) == p.resume_step)
+        load: dict[int, int] = {}
+
+        def donate(rank: int, dest: dict[str, Any]) -> None:
+            """From a replica of ``rank`` at the resume step (DDP: any; HSDP: the same shard elsewhere)."""
+            donor = replica_donor(rank, view.replicas.get(rank), leaders, load)
+            if donor is None:
+                raise NoReplica(f"no survivor at step {p.resume_step} holds a replica of rank {rank}", **self.where)
+            args[rank_node[donor]].setdefault("donate", []).append({"rank": rank, "from": donor, "dest": dest})
+
+        for seat in p.seats:  # spread the lost ranks over their replicas
+            for i, rank in enumerate(seat.get("ranks") or [seat["rank"]]):
+                donate(rank, {"host": seat["target_addr"], "port": joiner_port(p.port, i), "token": token})
         for lag in p.laggards:
             behind = [r for r in view.ranks_on(lag) if p.steps.get(str(r), p.resume_step) < p.resume_step]
             sources = {str(r): {"listen_host": "0.0.0.0", "port": joiner_port(p.port + LAG_PORT_OFFSET, j),
@@ -307,8 +341,7 @@ class UnplannedRecovery(Flow):
             args[lag]["load_from"] = sources
             addr = addrs.get(lag) or lag
             for r in behind:
-                args[p.donor].setdefault("donate", []).append(
-                    {"rank": r, "dest": {"host": addr, "port": sources[str(r)]["port"], "token": token}})
+                donate(r, {"host": addr, "port": sources[str(r)]["port"], "token": token})
         for a in args.values():
             if len(a.get("donate", ())) == 1:
                 a["donate"] = a["donate"][0]  # the contract's single form
@@ -357,6 +390,24 @@ class UnplannedRecovery(Flow):
         for t in p.targets:
             self.d.steps.pop(self._step_key(t), None)
         return jn.SUCCEEDED
+
+    async def requeue(self, reason: str) -> str:
+        """No replica of a lost rank survives: hand the job back to Slurm's queue (it restarts from
+        its last checkpoint, as without TorchPass), recorded with the reason. Never a hang."""
+        p = self.plan
+        problems: list[str] = []
+        for t in p.targets:
+            problems += await self._drop_target(t)
+        try:
+            await asyncio.to_thread(self.d.resizer.requeue, int(p.job), p.source, f"torchpass: died ({p.source})")
+            outcome = f"{reason}; job {p.job} requeued through Slurm"
+        except TorchPassError as exc:
+            outcome = f"{reason}; requeueing job {p.job} failed too: {exc}"
+        self.failure = outcome
+        self.log.error("unplanned.requeued", error=outcome)
+        self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+        await self.phase(FAILED, jn.FAILED, error=outcome, problems=problems, fallback="requeue")
+        return jn.FAILED
 
     async def fail(self, reason: str, *, survivors_exit: bool = True) -> str:
         """The job cannot be recovered: say why everywhere, let the spares go, and tell the

@@ -4,10 +4,12 @@ node, replicate across nodes) or tensor parallel within a node with FSDP across.
 ranks move to the spare with their DCP state-dict shards in one pause; the job ends COMPLETED 0:0,
 every loss and the final parameters are bit-identical to an undisturbed run on the same layout,
 and the job's output holds each rank's progress line once. FSDP2 runs in CI; the other layouts
-under ``-m matrix`` (make test-matrix)."""
+under ``-m matrix`` (make test-matrix). A node death: HSDP is rebuilt from the other replica
+group; pure FSDP (no replica) falls back to a requeue, said in ``torchpassctl jobs`` beforehand."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -15,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, assert_every_line_once, sacct_state
+from tests.e2e.conftest import (
+    Daemon,
+    Training,
+    assert_bit_identical,
+    assert_every_line_once,
+    sacct_state,
+    wait_until,
+)
 from tests.support.devcluster import DevCluster
 from torchpassd.drill import read_log
 
@@ -87,3 +96,51 @@ def test_transparent_drain_of_an_fsdp2_job_moves_its_worker_processes_and_ends_c
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
     assert_every_line_once(job)
+
+
+@pytest.mark.faults
+def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """HSDP keeps a whole replica on each node: the dead node's shards come from the ranks at the
+    same shard position on the other node (the layout the workers reported), bit-identically."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   script=EXAMPLE, args="--mesh hsdp")
+    view = job.wait_running(torchpassd, min_step=5)
+    assert wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(
+        "unplanned: every rank has a replica"), 30)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    lost = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    devcluster.kill_node(victim)
+    mig = torchpassd.wait_migration(job.job, victim, timeout=180)
+    assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and mig["target"] == "n5", mig
+    chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
+    assert chosen["detail"]["ranks"] == lost, chosen
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
+@pytest.mark.faults
+def test_pure_fsdp_node_death_falls_back_to_a_requeue_said_in_advance_and_recorded(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """No rank holds another's shard: `torchpassctl jobs` says so while the job trains, and when a
+    node dies torchpassd requeues the job through Slurm (it restarts from its last checkpoint) with
+    a history record saying why; it never waits for a recovery that cannot be."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   script=EXAMPLE, args="--mesh fsdp")
+    view = job.wait_running(torchpassd, min_step=5)
+    said = "unplanned: no replica of ranks 0-3, falls back to requeue"
+    wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(said), 30)
+    res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "jobs",
+                          "--json"], capture_output=True, text=True, timeout=60, check=True)
+    row = next(j for j in json.loads(res.stdout)["jobs"] if str(j["job"]) == job.job)
+    assert row["unplanned"].startswith(said), row
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    devcluster.kill_node(victim)
+    mig = torchpassd.wait_migration(job.job, victim, timeout=180)
+    assert mig["status"] == "failed" and mig["mode"] == "unplanned-aware" and not mig["target"], mig
+    assert f"no surviving rank holds a replica of ranks [2, 3] lost with {victim}" in mig["error"], mig
+    assert f"job {job.job} requeued through Slurm" in mig["error"] and mig["phases"][-1]["detail"]["fallback"] == "requeue"
+    wait_until("Slurm to run the job again", lambda: "Restarts=1" in devcluster.run(
+        "scontrol", "show", "job", job.job).stdout, 60)
+    devcluster.run("scancel", job.job)

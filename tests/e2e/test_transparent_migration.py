@@ -3,7 +3,7 @@
 ``srun torchrun``; a drained node's worker process is moved to the spare by criu (pages by criu's
 page server, the rest by the wormhole) and training goes on bit-identical to a run without the drain.
 Also: a dump that fails (the worker trains on in place) and a restore that fails on the spare (the
-stopped original resumes), both real criu failures (launchpad.transparent.ENV_FAULT)."""
+stopped original resumes), both real criu failures (the site config's [faults] criu, which the spare's launchpad reads too)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ class Link:
     hello: dict[str, Any]
     inbox: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     step: int = 0
+    replicas: list[Any] = field(default_factory=list)  # each "replicas" a step report carried
 
 
 class Driver:
@@ -74,6 +75,8 @@ class Driver:
                 msg = None
             if msg is not None and msg["t"] == ac.STEP:
                 link.step = msg["step"]
+                if "replicas" in msg:
+                    link.replicas.append(msg["replicas"])
                 continue
             link.inbox.put(msg)
             if msg is None:

@@ -17,7 +17,7 @@ import pytest
 
 from slurm_plugin.model import Node
 from slurm_plugin.spares import Spare
-from torchpass_common import protocol
+from torchpass_common import protocol, rank_ranges
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError
 from torchpassd import journal as jn
@@ -205,11 +205,12 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
     assert set(recover) == {"n1", "n2", "n4"}
     assert all(a["gen"] == w.gen + 1 and a["step"] == 42 and a["world_size"] == 4 for a in recover.values())
-    donations = recover["n2"]["donate"]  # n2: the lowest rank at step 42 donates to the joiner and to n1
-    assert [d["rank"] for d in donations] == [2, 0]
-    assert donations[0]["dest"]["port"] == w.port and donations[0]["dest"]["host"] == "127.0.0.1"
-    assert recover["n1"]["load_from"]["0"]["port"] == donations[1]["dest"]["port"]  # rank 0 lags
-    assert "donate" not in recover["n4"] and "load_from" not in recover["n4"]
+    # the ranks at step 42 (1 on n2, 3 on n4) each donate once: to the joiner, and to n1's lagging rank 0
+    donations = {d["rank"]: (n, d) for n, a in recover.items() for d in _listed(a.get("donate"))}
+    assert {r: (n, d["from"]) for r, (n, d) in donations.items()} == {2: ("n2", 1), 0: ("n4", 3)}
+    assert donations[2][1]["dest"]["port"] == w.port and donations[2][1]["dest"]["host"] == "127.0.0.1"
+    assert recover["n1"]["load_from"]["0"]["port"] == donations[0][1]["dest"]["port"]  # rank 0 lags
+    assert "donate" not in recover["n1"] and "load_from" not in recover["n4"]
     first_reform = cmds.index(next(c for c in cmds if c[1] == "reform"))
     assert all(c[1] == "recover" for c in cmds[:first_reform])
     assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
@@ -226,7 +227,7 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     token = w.commander.sent[-1]  # any command: the token is in recover args, never in the journal
     assert token
     text = json.dumps([p.detail for p in mig.phases]) + json.dumps(w.events)
-    assert donations[0]["dest"]["token"] not in text
+    assert donations[2][1]["dest"]["token"] not in text
     assert 'torchpass_migrations_total{mode="unplanned-aware",outcome="succeeded"} 1' in w.metrics.render()
     w.close()
 
@@ -250,12 +251,60 @@ def test_every_rank_of_a_dead_node_gets_its_own_joiner_and_each_lagging_rank_its
     p.survivors, p.donor, p.laggards, p.resume_step, p.port = ["n1", "n2"], "n2", ["n1"], 42, 29402
     p.steps = {"0": 41, "1": 42, "2": 42, "3": 42}
     args = rec.recover_args({"n1": "10.0.0.1"})
-    gifts = {d["rank"]: d["dest"] for d in args["n2"]["donate"]}
+    gifts = {d["rank"]: d["dest"] for a in args.values() for d in _listed(a.get("donate"))}
     assert (gifts[4]["host"], gifts[4]["port"]) == ("10.0.0.5", joiner_port(29402, 0))
     assert (gifts[5]["host"], gifts[5]["port"]) == ("10.0.0.5", joiner_port(29402, 1))
     assert set(args["n1"]["load_from"]) == {"0"} and gifts[0]["host"] == "10.0.0.1"  # rank 1 is at the step
-    assert args["n1"]["load_from"]["0"]["port"] == gifts[0]["port"] and "donate" not in args["n1"]
+    assert args["n1"]["load_from"]["0"]["port"] == gifts[0]["port"]
     assert args["n2"]["lost_nodes"] == 1
+    w.close()
+
+
+def _listed(donate: Any) -> list[dict[str, Any]]:
+    return [] if donate is None else donate if isinstance(donate, list) else [donate]
+
+
+def _sharded_world(tmp_path: Path, replicas: Any) -> tuple[World, UnplannedRecovery]:
+    """3 nodes x 2 ranks, n3 (ranks 4, 5) dead; each worker reported ``replicas(rank)``."""
+    w = World(tmp_path, ["n5"])
+
+    async def setup() -> UnplannedRecovery:
+        await w.registry.update_job("7", nodes=("n1", "n2", "n3"), user="u", batch_host="n1")
+        for n, ranks in (("n1", (0, 1)), ("n2", (2, 3)), ("n3", (4, 5))):
+            body = {"node": n, "seq": 1, "workers": [{"rank": r, "step": 42, "state": "interrupted", "pid": 100 + r,
+                                                      "replicas": rank_ranges.compact(replicas(r))} for r in ranks]}
+            await w.registry.on_message(n, protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1,
+                                                                           body=body)))
+        return w.recovery()
+    return w, asyncio.run(setup())
+
+
+def test_hsdp_lost_ranks_are_rebuilt_from_the_same_shard_of_another_replica_group(tmp_path: Path) -> None:
+    """HSDP, shard within a node, replicate across: rank r's state lives on every rank r % 2."""
+    w, rec = _sharded_world(tmp_path, lambda r: list(range(r % 2, 6, 2)))
+    assert rec.view().unplanned().startswith("unplanned: every rank has a replica (at least 3 copies)")
+    p = rec.plan
+    p.seats = [{"node": "n3", "rank": 4, "ranks": [4, 5], "target": "n5", "target_addr": "10.0.0.5"}]
+    p.survivors, p.donor, p.laggards, p.resume_step, p.port = ["n1", "n2"], "n1", [], 42, 29402
+    p.steps = {str(r): 42 for r in range(4)}
+    args = rec.recover_args({})
+    given = {d["rank"]: d["from"] for a in args.values() for d in _listed(a.get("donate"))}
+    assert set(given) == {4, 5} and given[4] % 2 == 0 and given[5] % 2 == 1, given
+    w.close()
+
+
+def test_a_pure_fsdp_node_death_requeues_the_job_with_the_reason(tmp_path: Path) -> None:
+    """No rank holds another's shard: the recovery takes no spare and hands the job back to Slurm."""
+    w, rec = _sharded_world(tmp_path, lambda r: [r])
+    requeued: list[tuple[int, str]] = []
+    w.slurm.requeue = lambda job, node, reason: requeued.append((job, node))  # type: ignore[attr-defined]
+    assert "no replica of ranks 0-5, falls back to requeue" in rec.view().unplanned()
+    now = time.time()
+    status = asyncio.run(rec.run([Death("7", "n3", (4, 5), ("Last Will",), now - 1.0, now - 0.5)]))
+    assert status == jn.FAILED and requeued == [(7, "n3")] and w.slurm.added == []
+    mig = w.journal.history()[0]
+    assert "no surviving rank holds a replica of ranks [4, 5] lost with n3" in mig.error
+    assert "requeued through Slurm" in mig.error and mig.phases[-1].detail["fallback"] == "requeue"
     w.close()
 
 

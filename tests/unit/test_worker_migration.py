@@ -46,6 +46,8 @@ def test_pause_reform_resume_is_bit_identical(drivers, reference, step_sleep, ma
         d.start(r, logs[r])
     d.connect(WORLD)
     d.wait_steps(5)
+    # each rank said once that every rank of DDP's group holds its state (unplanned: any can donate)
+    assert [link.replicas for _, link in sorted(d.links.items())] == [[[0, 1]]] * WORLD
     at_step = d.pause_all(gen=2, margin=margin)
     d.reform_and_resume(gen=2)
     d.wait_all()
