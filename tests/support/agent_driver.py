@@ -172,3 +172,16 @@ def read_logs(*paths: Path) -> tuple[dict[tuple[int, int], str], dict[int, str]]
                 assert key not in losses, f"step {key} logged twice"
                 losses[key] = rec["loss"]
     return losses, finals
+
+
+def handover_ends(transport: str, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the leaving rank's save ``dest``, the joiner's ``source``) for a hand-over through a file
+    or the wormhole (a fresh port and token on this machine)."""
+    if transport == "file":
+        path = {"path": str(tmp / "handover.pt")}
+        return path, path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = os.urandom(32).hex()
+    return {"host": "127.0.0.1", "port": port, "token": token}, {"listen_host": "127.0.0.1", "port": port, "token": token}

@@ -8,23 +8,16 @@ gloo run."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.support.agent_driver import ROOT, WAIT, read_logs
+from tests.support.agent_driver import ROOT, WAIT, handover_ends, read_logs
 from torchpass_common import agent_channel as ac
 
 WORLD, STEPS = 4, 14
 FSDP_EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 HSDP_SCRIPT = r'''
 import argparse, hashlib, json, time
@@ -107,12 +100,7 @@ def _replace_rank(drivers, script: Path, args: list[str], leaving: int, transpor
     assert len(ref_losses) == WORLD * STEPS and len(set(ref_finals.values())) == 1
 
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05", *args], script)
-    if transport == "file":
-        dest = source = {"path": str(d.tmp / "handover.pt")}
-    else:
-        token, port = os.urandom(32).hex(), free_port()
-        source = {"listen_host": "127.0.0.1", "port": port, "token": token}
-        dest = {"host": "127.0.0.1", "port": port, "token": token}
+    dest, source = handover_ends(transport, d.tmp)
     joiner_log = d.tmp / "joiner.jsonl"
     joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
     new = d.hellos.get(timeout=WAIT)

@@ -6,13 +6,11 @@ new process. Every run must be bit-identical (losses and final parameters) to a 
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 import torch
 
-from tests.support.agent_driver import WAIT, Driver, read_logs
+from tests.support.agent_driver import WAIT, Driver, handover_ends, read_logs
 from torchpass_common import agent_channel as ac
 
 STEPS = 40
@@ -57,11 +55,6 @@ def test_pause_reform_resume_is_bit_identical(drivers, reference, step_sleep, ma
     assert finals == ref_finals
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("leaving,transport,early", [(1, "file", False), (0, "wormhole", False), (1, "file", True)],
@@ -71,12 +64,7 @@ def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, 
     part in the live rebuild instead of replaying rank 0's layout)."""
     ref_losses, ref_finals = reference
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.01"])
-    if transport == "file":
-        dest = source = {"path": str(d.tmp / "handover.pt")}
-    else:
-        token, port = os.urandom(32).hex(), free_port()
-        source = {"listen_host": "127.0.0.1", "port": port, "token": token}
-        dest = {"host": "127.0.0.1", "port": port, "token": token}
+    dest, source = handover_ends(transport, d.tmp)
     # The joiner is pre-warmed: it builds its model and DDP with local collectives, alone, and
     # says ready from register(), where it waits for the state. (Started first here so that the
     # short run cannot end before it is ready on a busy machine.)
