@@ -96,6 +96,17 @@ def main(**opts: object) -> None:
     sys.exit(code)
 
 
+def _output_args(opts: dict) -> tuple[str, ...]:
+    """The output options this launchpad was given (--log-dir, --redirects, --tee,
+    --local-ranks-filter, --log-line-prefix-template), as arguments: a spare's launchpad that takes
+    over this node's ranks is started with the same, so their output goes on as before."""
+    masks = {name: str(opts.get(key) or "0") for name, key in (("--redirects", "redirects"), ("--tee", "tee"))}
+    given = {"--log-dir": opts.get("log_dir"), **{n: m for n, m in masks.items() if m != "0"},
+             "--local-ranks-filter": opts.get("local_ranks_filter"),
+             "--log-line-prefix-template": opts.get("log_line_prefix_template")}
+    return tuple(a for name, value in given.items() if value for a in (name, str(value)))
+
+
 def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.LaunchSpec:
     """Resolve torchrun's options, their defaults and the Slurm environment into a LaunchSpec."""
     slurm = specmod.SlurmHints.from_env(env)
@@ -109,6 +120,7 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         tee=specmod.parse_std_mask(str(opts["tee"]), nproc), role=str(opts["role"]),
         console_ranks=specmod.parse_ranks_filter(str(opts["local_ranks_filter"])),
         log_line_prefix_template=opts.get("log_line_prefix_template") or None,
+        output_args=_output_args(opts),
         monitor_interval=float(opts["monitor_interval"]),  # type: ignore[arg-type]
         grace_period=float(opts["grace_period"]), job=opts["job"], node=opts["node"] or socket.gethostname(),  # type: ignore[arg-type]
         **rdzv_conf,

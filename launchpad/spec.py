@@ -39,6 +39,7 @@ class LaunchSpec:
     tee: Mapping[int, int] = field(default_factory=dict)
     console_ranks: frozenset[int] | None = None  # --local-ranks-filter; None shows every local rank
     log_line_prefix_template: str | None = None  # teed lines' prefix; None: torchrun's [<role><local_rank>]:
+    output_args: tuple[str, ...] = ()  # the output options above as given, for a spare's launchpad to repeat
     role: str = "default"
     monitor_interval: float = 0.1
     join_timeout: float = 600.0

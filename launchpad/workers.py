@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -55,6 +56,8 @@ def worker_env(spec: LaunchSpec, m: Membership, local_rank: int, restarts: int,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         agent_channel.ENV_SOCKET: socket_path,
     })
+    if spec.output_args:  # read back by torchpassd from a leaving worker's environment
+        env[agent_channel.ENV_OUTPUT_ARGS] = json.dumps(list(spec.output_args))
     if "OMP_NUM_THREADS" not in os.environ and m.local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so N workers do not oversubscribe the cores
     env.update(extra or {})

@@ -25,6 +25,7 @@ ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_hos
 # On a joining node's launchpad (never in a worker): JSON {"ranks": [...], "world_size", "group_rank",
 # "group_world_size", "sources": [...]}: local worker i joins as ranks[i], loading from sources[i].
 ENV_JOIN_PLAN = "TORCHPASS_JOIN_PLAN"
+ENV_OUTPUT_ARGS = "TORCHPASS_OUTPUT_ARGS"  # JSON list: the launchpad's output options (--tee ...), for a spare's
 ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 

@@ -115,6 +115,15 @@ class WorkerTemplate:
                                      hint="it was not started by launchpad")
         return cls(argv[0], argv[boot + 1:], env, cwd.strip())
 
+    def output_args(self) -> list[str]:
+        """The leaving node's launchpad output options (--tee, --log-dir, ...), to start the spare's
+        launchpad with the same; [] when it had none or the value is not a list of strings."""
+        try:
+            args = json.loads(self.env.get(ac.ENV_OUTPUT_ARGS, "[]"))
+        except ValueError:
+            return []
+        return args if isinstance(args, list) and all(isinstance(a, str) for a in args) else []
+
 
 @dataclass
 class Deps:
@@ -240,7 +249,7 @@ class Flow:
                 "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
                 "--rdzv-id", f"{p.job}-join-{self.id[:8]}-{target}",  # one rendezvous per joining node
-                *entry]
+                *tpl.output_args(), *entry]
 
     def _step_key(self, target: str) -> str:
         return f"{self.id}/{target}"

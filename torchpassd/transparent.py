@@ -96,7 +96,7 @@ class TransparentMigration(planned.PlannedMigration):
         argv = [tpl.python, "-m", "launchpad", "--job", p.job, "--node", p.target,
                 *(["--config", config] if config else []), "--nnodes", "1", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
-                "--rdzv-id", f"{p.job}-restore-{self.id[:8]}", "--no-python", "true"]
+                "--rdzv-id", f"{p.job}-restore-{self.id[:8]}", *tpl.output_args(), "--no-python", "true"]
         env = {lpt.ENV_RESTORE_TARGET: "1"}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it

@@ -175,16 +175,18 @@ class Training:
     the job's launchpads find the site's config where the SPANK plugin's ``config=`` points."""
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
-                 nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware") -> None:
+                 nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware",
+                 torchrun_args: str = "") -> None:
         """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
-        (with ``args``; ``mode``: its --torchpass mode)."""
+        (with ``args``; ``mode``: its --torchpass mode); ``torchrun_args``: more torchrun options."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
         self.out = workdir / "slurm-%j.out"
         install_site_config(cluster, config)
         script = ("#!/bin/bash\n" +
-                  f"srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:29500 "
+                  f"srun torchrun --nnodes {nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
+                  "--rdzv-endpoint $SLURMD_NODENAME:29500 "
                   f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)

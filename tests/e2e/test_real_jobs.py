@@ -87,6 +87,26 @@ def test_aware_drain_of_a_two_rank_node_ends_completed_with_every_line_once(
     assert (workdir / f"after-{after}.out").read_text().strip() == "chained"
 
 
+def test_the_moved_ranks_output_keeps_the_jobs_torchrun_output_options(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """``srun torchrun --local-ranks-filter 0``: only each node's local rank 0 reaches the job's
+    output; the spare's launchpad, started for the moved ranks, applies the same filter."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   torchrun_args="--local-ranks-filter 0")
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    devcluster.resume(victim)
+    job.wait_done()
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    lines = Counter((int(r), int(s)) for r, s in PROGRESS.findall(job.out.read_text()))
+    assert set(lines) == {(r, s) for r in range(0, job.world, NPROC) for s in range(STEPS)}, sorted(
+        set(lines) ^ {(r, s) for r in range(0, job.world, NPROC) for s in range(STEPS)})[:10]
+    assert max(lines.values()) == 1
+
+
 @pytest.mark.faults
 def test_unplanned_kill_of_a_two_rank_node_rebuilds_both_ranks_and_ends_completed(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:

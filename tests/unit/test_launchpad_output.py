@@ -241,3 +241,16 @@ def test_prefix_template_option_both_spellings_and_torchruns_environment() -> No
     env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "${local_rank}|"}
     assert build("train.py", env=env).log_line_prefix_template == "${local_rank}|"
     assert build("--log-line-prefix-template=x", "train.py", env=env).log_line_prefix_template == "x"
+
+
+def test_output_options_are_kept_as_given_for_a_spare_to_repeat() -> None:
+    """A spare's launchpad taking over a node's ranks is started with the node's output options
+    (torchpassd reads them back from a worker's TORCHPASS_OUTPUT_ARGS), so the moved ranks' output
+    goes on as before: teed, filtered, prefixed, in the log directory."""
+    assert build("train.py").output_args == ()
+    got = build("--tee", "3", "--local-ranks-filter", "0", "--log-dir", "/logs", "--log-line-prefix-template",
+                "<${rank}>", "-r", "0:1", "train.py").output_args
+    assert got == ("--log-dir", "/logs", "--redirects", "0:1", "--tee", "3", "--local-ranks-filter", "0",
+                   "--log-line-prefix-template", "<${rank}>")
+    again = build(*got, "train.py")
+    assert again.output_args == got and again.console_ranks == frozenset({0}) and again.log_dir == "/logs"

@@ -32,6 +32,15 @@ def test_worker_template_is_read_from_proc_text() -> None:
     assert tpl.cwd == "/home/u/run"
 
 
+def test_the_leaving_nodes_output_options_go_to_the_spares_launchpad() -> None:
+    with_args = PROC_TEXT.replace("TORCHPASS_CONFIG=", 'TORCHPASS_OUTPUT_ARGS=["--tee", "3"]\nTORCHPASS_CONFIG=')
+    assert WorkerTemplate.parse(with_args, job="7", node="n3").output_args() == ["--tee", "3"]
+    assert WorkerTemplate.parse(PROC_TEXT, job="7", node="n3").output_args() == []
+    for bad in ("not json", '{"tee": 3}', "[3]"):  # a worker's environment is not trusted blindly
+        text = PROC_TEXT.replace("TORCHPASS_CONFIG=", f"TORCHPASS_OUTPUT_ARGS={bad}\nTORCHPASS_CONFIG=")
+        assert WorkerTemplate.parse(text, job="7", node="n3").output_args() == []
+
+
 def test_worker_not_under_the_bootstrap_is_refused_with_a_hint() -> None:
     with pytest.raises(MigrationError, match="does not run under the torchpass bootstrap.*job=7, node=n3"):
         WorkerTemplate.parse(PROC_TEXT.replace("torchpass._bootstrap", "train"), job="7", node="n3")
