@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--new-group-at", type=int, default=-1,
+                    help="from this step on, also average the loss over a process group made at that step")
     ap.add_argument("--log", "--log-file", dest="log", help="append per-step JSON lines here")
     args = ap.parse_args()
 
@@ -94,6 +96,7 @@ def main() -> None:
     torchpass.register(save=save, load=load)
 
     log = open(args.log, "a", buffering=1) if args.log else None
+    late: dist.ProcessGroup | None = None  # a group made mid-run (after a migration, in the tests)
     while progress["step"] < args.steps:
         step = progress["step"]
         g = torch.Generator().manual_seed(100003 * step + data_index)
@@ -103,8 +106,14 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        value = loss.item().hex()
+        if 0 <= args.new_group_at <= step:
+            late = late or dist.new_group(list(range(dist.get_world_size())))
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=late)
+            value += "/" + mean.item().hex()
         if log:
-            log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item().hex(), "t": time.time()}) + "\n")
+            log.write(json.dumps({"rank": rank, "step": step, "loss": value, "t": time.time()}) + "\n")
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         progress["step"] = step + 1
         if args.step_sleep:

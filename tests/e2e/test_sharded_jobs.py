@@ -2,8 +2,9 @@
 contrib/examples/fsdp_train.py, 2 nodes x 2 ranks, FSDP2 over the whole job, HSDP (shard within a
 node, replicate across nodes) or tensor parallel within a node with FSDP across. A drained node's
 ranks move to the spare with their DCP state-dict shards in one pause; the job ends COMPLETED 0:0,
-every loss and the final parameters are bit-identical to an undisturbed run on the same layout,
-and the job's output holds each rank's progress line once. FSDP2 runs in CI; the other layouts
+every loss and the final parameters are bit-identical to an undisturbed run on the same layout
+(with a process group the script makes after the move, used every step from then on), and the
+job's output holds each rank's progress line once. FSDP2 runs in CI; the other layouts
 under ``-m matrix`` (make test-matrix). A node death: HSDP is rebuilt from the other replica
 group; pure FSDP (no replica) falls back to a requeue, said in ``torchpassctl jobs`` beforehand."""
 
@@ -34,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS, STEP_SLEEP, NODES, NPROC = 100, 0.2, 2, 2
+LATE_GROUP_AT = 60  # the drain tests' jobs make a new process group at this step
 
 
-def undisturbed(workdir: Path, mesh: str) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+def undisturbed(workdir: Path, mesh: str, extra: str = "") -> tuple[list[tuple[int, int, str]], dict[int, str]]:
     """The same training, same layout (NODES torchrun agents of NPROC ranks), no failure."""
     log = workdir / "reference.log"
     log.unlink(missing_ok=True)
@@ -45,7 +47,7 @@ def undisturbed(workdir: Path, mesh: str) -> tuple[list[tuple[int, int, str]], d
         port = s.getsockname()[1]
     agents = [subprocess.Popen([TORCHRUN, "--nnodes", str(NODES), "--nproc-per-node", str(NPROC),
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                                "--rdzv-id", "reference", str(EXAMPLE), "--mesh", mesh, "--steps", str(STEPS),
+                                "--rdzv-id", "reference", str(EXAMPLE), "--mesh", mesh, *extra.split(), "--steps", str(STEPS),
                                 "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
               for _ in range(NODES)]
     for agent in agents:
@@ -58,8 +60,9 @@ def undisturbed(workdir: Path, mesh: str) -> tuple[list[tuple[int, int, str]], d
                                   pytest.param("tp", marks=pytest.mark.matrix)])
 def test_aware_drain_of_a_sharded_job_moves_the_nodes_shards_and_ends_completed(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, mesh: str) -> None:
+    # from step 60 on, the loss is also averaged over a group the script makes then: after the move
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                   script=EXAMPLE, args=f"--mesh {mesh}")
+                   script=EXAMPLE, args=f"--mesh {mesh} --new-group-at {LATE_GROUP_AT}")
     view = job.wait_running(torchpassd)
     victim = next(n for n in view["nodes"] if n != view["batch_host"])
     moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
@@ -69,8 +72,9 @@ def test_aware_drain_of_a_sharded_job_moves_the_nodes_shards_and_ends_completed(
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
     handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
     assert sorted(handed["detail"]["ranks"]) == moved, handed  # the node's every shard, in one pause
+    assert next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"] < LATE_GROUP_AT
     devcluster.resume(victim)
-    assert_bit_identical(job.wait_done(), undisturbed(workdir, mesh))
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, mesh, f"--new-group-at {LATE_GROUP_AT}"))
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
     assert_every_line_once(job)
