@@ -97,10 +97,18 @@ class Agent:
             self._reported = (now, registered)
             report = {"t": ac.STEP, "step": step, "registered": registered}
             if not self._layout_sent:  # once: which ranks hold this rank's state (torchpassd's donors)
-                self._layout_sent, report["replicas"] = True, layout.replicas(self.rank)
+                self._layout_sent, report["replicas"] = True, self._replicas()
             self._send(report)
         if self._wake:
             self._serve_running(step)
+
+    def _replicas(self) -> list[int] | None:
+        """layout.replicas, or None (unknown) if reading the layout fails: training goes on."""
+        try:
+            return layout.replicas(self.rank)
+        except Exception as exc:  # an odd mesh or group must not cost a training step
+            self._log.warning("agent.layout_unknown", error=repr(exc))
+            return None
 
     def _serve_running(self, step: int) -> None:
         self._wake = False  # before draining, so a command queued meanwhile wakes the next boundary

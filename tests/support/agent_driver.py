@@ -23,6 +23,20 @@ import torch.distributed as dist
 from torchpass_common import agent_channel as ac
 
 ROOT = Path(__file__).resolve().parents[2]
+# How the tests' own training scripts begin: the Driver's arguments, a gloo group, rank and world.
+SCRIPT_PRELUDE = r'''
+import argparse, hashlib, json, time
+import torch, torch.distributed as dist
+import torchpass
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int)
+ap.add_argument("--step-sleep", type=float, default=0.0)
+ap.add_argument("--log")
+args = ap.parse_args()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+'''
 EXAMPLE = ROOT / "contrib" / "examples" / "ddp_train.py"
 WAIT = 90.0  # upper bound for any single wait; a healthy run needs a few seconds
 

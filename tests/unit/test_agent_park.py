@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.agent_driver import read_logs
+from tests.support.agent_driver import SCRIPT_PRELUDE, read_logs
 from torchpass_common import agent_channel as ac
 
 WORLD, STEPS = 2, 30
 
 # Hand-written data parallelism on a bare tensor: no nn.Module, no DDP, a gradient all-reduce and
 # a loss all-reduce after the optimizer step.
-FORWARDLESS = r'''
-import argparse, hashlib, json, time
-import torch, torch.distributed as dist
-import torchpass
-
-ap = argparse.ArgumentParser()
-ap.add_argument("--steps", type=int)
-ap.add_argument("--step-sleep", type=float, default=0.0)
-ap.add_argument("--log")
-args = ap.parse_args()
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
+FORWARDLESS = SCRIPT_PRELUDE + r'''
 w = torch.nn.Parameter(torch.ones(16))
 opt = torch.optim.SGD([w], lr=0.05, momentum=0.9)
 progress = {"step": 0}

@@ -12,27 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent_driver import ROOT, WAIT, handover_ends, read_logs
+from tests.support.agent_driver import ROOT, SCRIPT_PRELUDE, WAIT, handover_ends, read_logs
 from torchpass_common import agent_channel as ac
 
 WORLD, STEPS = 4, 14
 FSDP_EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
 
 
-HSDP_SCRIPT = r'''
-import argparse, hashlib, json, time
-import torch, torch.distributed as dist
+HSDP_SCRIPT = SCRIPT_PRELUDE + r'''
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-import torchpass
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--steps", type=int)
-ap.add_argument("--step-sleep", type=float, default=0.0)
-ap.add_argument("--log")
-args = ap.parse_args()
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
 pair = dist.new_group([0, 1]), dist.new_group([2, 3])
 mine = pair[0] if rank < 2 else pair[1]
