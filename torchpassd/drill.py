@@ -25,7 +25,6 @@ from torchpassd.ctl_client import DaemonClient
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
 MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplanned.MODES)
 POLL = 0.5
-TERMINAL = ("succeeded", "failed", "rolled_back")
 
 _JOB_SCRIPT = """#!/bin/bash
 # TorchPass drill: the example DDP job as a user writes it, rendezvous on the batch host.
@@ -55,6 +54,7 @@ class DrillReport:
     step_at_kill: int | None = None  # unplanned: the highest step any rank had started at the kill
     workdir: str = ""
     moved_ranks: list[int] = field(default_factory=list)  # every rank of the failed node
+    rollbacks: list[str] = field(default_factory=list)  # migrations rolled back before the one that moved them
     job_state: str = ""  # the job's final Slurm state: COMPLETED, as if nothing had happened
     timeline: list[dict[str, Any]] = field(default_factory=list)
     move: dict[str, Any] = field(default_factory=dict)  # planned-transparent: dump, transfer, restore
@@ -230,9 +230,7 @@ class Drill:
             self.runner.run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=torchpass drill"])
             self._note(f"drained {victim}")
         try:
-            mig = self._wait(f"the migration off {victim}", lambda: next(
-                (m for m in self.daemon.call("history", job=rep.job_id)
-                 if m["source"] == victim and m["status"] in TERMINAL), None))
+            mig = self._wait(f"the migration off {victim}", lambda: self._settled(victim))
         finally:
             self.runner.run(["scontrol", "update", f"nodename={victim}", "state=resume"])
         rep.migrated_from, rep.migrated_to = victim, mig["target"] or ""
@@ -256,6 +254,25 @@ class Drill:
         ref = workdir / "reference.log"
         self._reference(ref)
         compare(workdir / "train.log", ref, rank, paused_step, rep)
+
+    def _settled(self, victim: str) -> dict[str, Any] | None:
+        """The migration off ``victim`` that succeeded or failed. One rolled back (the job went on
+        where it was) is noted in the report and torchpassd's retry awaited, while the job runs."""
+        rep = self.report
+        ours = [m for m in reversed(self.daemon.call("history", job=rep.job_id)) if m["source"] == victim]
+        for m in ours[len(rep.rollbacks):]:
+            if m["status"] in ("succeeded", "failed"):
+                return m
+            if m["status"] != "rolled_back":
+                return None
+            rep.rollbacks.append(m["error"] or "")
+            self._note(f"migration off {victim} rolled back ({m['error']}); torchpassd retries")
+        job = self.slurm.job(int(rep.job_id))
+        if job is not None and not job.active:
+            raise MigrationError(f"job {rep.job_id} ended before a migration off {victim} succeeded "
+                                 f"({len(rep.rollbacks)} rolled back: {'; '.join(rep.rollbacks)[-500:]})",
+                                 job=rep.job_id)
+        return None
 
     def _reference(self, log: Path) -> None:
         s = self.s
