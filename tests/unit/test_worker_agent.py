@@ -1,6 +1,7 @@
 """The worker's agent client against a launchpad end over a real socket pair, with real torch
-optimizer steps driving the step boundary: step reports, parking at the chosen step, pause_missed,
-a failed command reported while staying parked, and resume."""
+training iterations (a module forward, an optimizer step) driving the step boundary: step reports,
+parking at the chosen step (before the next forward), pause_missed, a failed command reported while
+staying parked, and resume."""
 
 from __future__ import annotations
 
@@ -32,29 +33,37 @@ def setup():
     launchpad = ac.SyncChannel(agent_end)
     agent = Agent(ac.SyncChannel(worker_end), rank=3, local_rank=1, joining=False)
     agent.start()
-    param = torch.zeros(1, requires_grad=True)
-    param.grad = torch.ones(1)
-    opt = torch.optim.SGD([param], lr=0.1)
-    yield agent, launchpad, opt
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(iterations: int = 1) -> None:
+        """Training iterations as a script runs them: forward (a pause parks before it), step."""
+        for _ in range(iterations):
+            model(torch.ones(1))
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+    yield agent, launchpad, train
     steps.on_boundary(None)
     launchpad.close()
 
 
 def test_hello_and_step_reports_thinned_for_fast_steps(setup):
-    agent, launchpad, opt = setup
+    agent, launchpad, train = setup
     assert launchpad.recv()["t"] == ac.HELLO
     before = steps.current()
-    opt.step()
+    train()
     agent.save_fn = lambda: {}  # what torchpass.register(save=...) sets: a model-aware move becomes possible
-    opt.step()  # reported at once although it follows closely: launchpad must learn of register()
-    assert [launchpad.recv(), launchpad.recv()] == [{"t": "step", "step": before + 1, "registered": False},
-                                                    {"t": "step", "step": before + 2, "registered": True}]
+    train()  # reported at once although it follows closely: launchpad must learn of register()
+    # the first report also says which ranks hold this rank's state: unknown here (no DDP, no DTensor)
+    assert [launchpad.recv(), launchpad.recv()] == [
+        {"t": "step", "step": before + 1, "registered": False, "replicas": None},
+        {"t": "step", "step": before + 2, "registered": True}]
     t0 = time.monotonic()
-    for _ in range(200):  # sub-millisecond steps
-        opt.step()
+    train(200)  # sub-millisecond steps
     fast = time.monotonic() - t0
     time.sleep(REPORT_EVERY_S)
-    opt.step()  # after a pause longer than the interval: reported
+    train()  # after a pause longer than the interval: reported
     reports = []
     while not reports or reports[-1]["step"] != before + 203:
         reports.append(launchpad.recv())
@@ -63,14 +72,14 @@ def test_hello_and_step_reports_thinned_for_fast_steps(setup):
 
 
 def test_parks_after_the_chosen_step_until_resume(setup):
-    _, launchpad, opt = setup
+    _, launchpad, train = setup
     launchpad.recv()  # hello
     at_step = steps.current() + 2
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=at_step))
-    trainer = threading.Thread(target=lambda: [opt.step() for _ in range(3)])
+    trainer = threading.Thread(target=train, args=(3,))
     trainer.start()
     assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": at_step}
-    assert trainer.is_alive()  # parked inside the optimizer step hook
+    assert trainer.is_alive()  # parked before the next iteration's forward
 
     launchpad.send(ac.message(ac.SAVE, dest={"path": "/nonexistent/x"}))
     reply = next_reply(launchpad)
@@ -92,34 +101,34 @@ def wait_for_command(agent: Agent) -> None:
 
 
 def test_a_pause_for_a_step_already_done_is_answered_pause_missed(setup):
-    agent, launchpad, opt = setup
+    agent, launchpad, train = setup
     launchpad.recv()  # hello
-    opt.step()
+    train()
     done = steps.current()
-    assert launchpad.recv() == {"t": "step", "step": done, "registered": False}
+    assert launchpad.recv() == {"t": "step", "step": done, "registered": False, "replicas": None}
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=done - 1))
     wait_for_command(agent)
-    opt.step()  # commands are acted on at the next boundary
+    train()  # commands are acted on at the next boundary
     assert next_reply(launchpad) == {"t": "pause_missed", "gen": 2, "step": done + 1}
 
 
 def test_commands_other_than_pause_and_exit_are_refused_while_running(setup):
-    agent, launchpad, opt = setup
+    agent, launchpad, train = setup
     launchpad.recv()  # hello
     launchpad.send(ac.message(ac.RESUME, gen=5))
     wait_for_command(agent)
-    opt.step()
+    train()
     reply = next_reply(launchpad)
     assert reply["t"] == ac.ERROR and "while running" in reply["msg"]
 
 
 def test_a_parked_rank_asked_to_pause_later_trains_on_and_parks_there(setup):
-    agent, launchpad, opt = setup
+    agent, launchpad, train = setup
     launchpad.recv()  # hello
     first = steps.current() + 1
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=first))
     wait_for_command(agent)  # else a busy machine may run the first step before the pause arrives
-    trainer = threading.Thread(target=lambda: [opt.step() for _ in range(4)])
+    trainer = threading.Thread(target=train, args=(4,))
     trainer.start()
     assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": first}
     # Another rank had missed `first`: launchpad moves everyone's pause two steps later.
@@ -132,11 +141,10 @@ def test_a_parked_rank_asked_to_pause_later_trains_on_and_parks_there(setup):
 
 
 def test_training_goes_on_when_launchpad_goes_away(setup):
-    agent, launchpad, opt = setup
+    agent, launchpad, train = setup
     launchpad.recv()  # hello
     launchpad.close()
     before = steps.current()
-    for _ in range(50):  # step reports into the closed socket fail quietly
-        opt.step()
+    train(50)  # step reports into the closed socket fail quietly
     assert steps.current() == before + 50
     assert agent._gone
