@@ -166,16 +166,18 @@ class JobResizer:
         if node == job.batch_host:
             raise SlurmError(f"{node} is the batch host of job {job_id}; Slurm ends the job with it",
                              job=job_id, node=node, hint="keep training ranks off the batch host")
+        self._set_down(job_id, node, reason)
+        return self._left(job_id, node, "evicting", "slurm.node_evicted")
+
+    def _set_down(self, job_id: int, node: str, reason: str) -> None:
         self.runner.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"],
                         job=job_id, node=node)
-        return self._left(job_id, node, "evicting", "slurm.node_evicted")
 
     def requeue(self, job_id: int, node: str, reason: str) -> None:
         """Give the job back to Slurm's queue (``scontrol requeue``): its processes end and it runs
         again from the start of its batch script, i.e. from its last checkpoint. The dead ``node``
         is set DOWN first (with ``reason``) so the new run is not placed on it."""
-        self.runner.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"],
-                        job=job_id, node=node)
+        self._set_down(job_id, node, reason)
         self.runner.run(["scontrol", "requeue", str(job_id)], job=job_id)
         log.get(job=job_id).warning("slurm.job_requeued", node=node, reason=reason)
 

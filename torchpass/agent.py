@@ -281,7 +281,7 @@ class Agent:
         t0 = time.perf_counter()
         while True:
             try:
-                rec = self._receive(source)
+                rec, own = self._receive(source)
                 break
             except Exception as exc:
                 if rejoin is None:
@@ -293,7 +293,7 @@ class Agent:
                 source = rejoin.source
         meta, user = rec["torchpass"], rec["user"]
         if handover.has_local_shards(user):
-            user = handover.sharded_like(user, self.save_fn(), rank=self.rank)
+            user = handover.sharded_like(user, own if own is not None else self.save_fn(), rank=self.rank)
         ddp_layout.replay(group, meta["ddp"])
         self.load_fn(user)
         steps.restore(meta["step"])
@@ -302,20 +302,21 @@ class Agent:
         self._send(ac.message(ac.JOINED, step=meta["step"], **extra))
         self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4),
                        recovered=rejoin is not None)
-        del rec, rejoin, source
+        del rec, rejoin, source, own, user
         self.park()
 
-    def _receive(self, source: dict[str, Any]) -> dict[str, Any]:
+    def _receive(self, source: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """The hand-over record from ``source``: a joiner's donor, or a re-entered survivor's own
-        state ({"record": ...}) or its donor's (a survivor that lagged one step behind)."""
+        state ({"record": ...}) or its donor's (a survivor that lagged one step behind); and this
+        rank's own save() state when it was taken here (the wormhole's receive template), else None."""
         if "record" in source:
             self._send(ac.message(ac.READY))
-            return source["record"]
+            return source["record"], None
         assert self.save_fn is not None
-        template = handover.record(self.save_fn(), 0, []) if "token" in source else None
-        incoming = handover.Incoming(source, rank=self.rank, template=template)
+        own = self.save_fn() if "token" in source else None
+        incoming = handover.Incoming(source, rank=self.rank, template=None if own is None else handover.record(own, 0, []))
         self._send(ac.message(ac.READY))
-        return incoming.receive(self.timeouts.decision)
+        return incoming.receive(self.timeouts.decision), own
 
 
 def _require_group(rank: int) -> Any:
