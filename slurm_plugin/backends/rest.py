@@ -24,6 +24,8 @@ from torchpass_common.errors import SlurmError
 
 API_VERSIONS = ("v0.0.42", "v0.0.41", "v0.0.40", "v0.0.39", "v0.0.38")
 TOKEN_LIFESPAN = 3600  # seconds; renewed when less than a quarter is left
+RETRIES = 3  # a reset or refused connection is tried again this many times ...
+RETRY_DELAY = 0.2  # ... after 0.2, 0.4, 0.6 s
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -85,6 +87,26 @@ class RestClient(SlurmClient):
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def _request(self, path: str) -> tuple[int, dict[str, Any]]:
+        """One GET. A connection reset or refused (slurmrestd restarting a worker, measured
+        during a slurmd kill) is tried again ``RETRIES`` times: a GET is idempotent, and a
+        transient error of the Slurm API must cost a moment, not the caller's poll."""
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return self._request_once(path)
+            except (ConnectionResetError, ConnectionRefusedError, BrokenPipeError) as exc:
+                if tries <= RETRIES:
+                    time.sleep(RETRY_DELAY * tries)
+                    continue
+                error: OSError = exc
+            except OSError as exc:
+                error = exc
+            raise SlurmError(f"slurmrestd at {self.url} did not answer GET {path} "
+                             f"({tries} {'try' if tries == 1 else 'tries'}): {error}",
+                             hint="is slurmrestd running? see slurm.rest_url") from error
+
+    def _request_once(self, path: str) -> tuple[int, dict[str, Any]]:
         headers = {"Accept": "application/json"}
         if self.token is not None:
             headers["X-SLURM-USER-NAME"] = self.user
@@ -94,9 +116,6 @@ class RestClient(SlurmClient):
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
             body = resp.read()
-        except OSError as exc:
-            raise SlurmError(f"slurmrestd at {self.url} did not answer GET {path}: {exc}",
-                             hint="is slurmrestd running? see slurm.rest_url") from exc
         finally:
             conn.close()
         try:
