@@ -41,6 +41,7 @@ class WorkerLink:
     recovering: bool = False  # from INTERRUPTED until RESUMED (unplanned recovery)
     registered: bool = False  # the script called torchpass.register(save, load)
     replicas: list[int] | None = None  # ranks holding the same state (torchpass/layout.py); None: unknown
+    error: str = ""  # the last error it reported (a joiner's reason for failing, after it exited)
 
 
 class ChannelServer:
@@ -109,6 +110,7 @@ class ChannelServer:
         if kind == ac.RESUMED:  # a joiner that resumed with the group is a member like any other
             link.joining = False
         if kind == ac.ERROR:
+            link.error = msg["msg"]
             self._log.error("channel.worker_error", rank=link.rank, pid=link.pid, error=msg["msg"])
         link.replies.put_nowait(msg)
 
@@ -124,7 +126,7 @@ class ChannelServer:
         reply, a vanished worker or the timeout raise WorkerError naming the rank."""
         while not link.replies.empty():  # replies to an earlier, finished request
             self._log.debug("channel.stale_reply", rank=link.rank, msg=link.replies.get_nowait())
-        gone = WorkerError("worker closed the local channel (exited?) before answering", rank=link.rank, pid=link.pid)
+        gone = _gone(link)
         if not link.connected:
             raise gone
         try:
@@ -152,4 +154,10 @@ class ChannelServer:
                 return await asyncio.wait_for(link.replies.get(), 0.2)
         if not link.replies.empty():
             return link.replies.get_nowait()
-        raise WorkerError("worker closed the local channel (exited?) before answering", rank=link.rank, pid=link.pid)
+        raise _gone(link)
+
+
+def _gone(link: WorkerLink) -> WorkerError:
+    said = f"; its last error: {link.error}" if link.error else ""
+    return WorkerError(f"worker closed the local channel (exited?) before answering{said}", rank=link.rank,
+                       pid=link.pid)

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from torchpass import criu_park, ddp_layout, default_group, handover, layout, recovery, steps
+from torchpass import criu_park, ddp_layout, default_group, group_identity, handover, layout, recovery, steps
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
@@ -230,11 +230,19 @@ class Agent:
                               hint="call torchpass.register(save=..., load=...) before training",
                               rank=self.rank)
         t0 = time.perf_counter()
-        rec = handover.record(self.save_fn(), steps.current(), ddp_layout.capture())
+        rec = self.capture(steps.current())
         size = handover.send(rec, dest, rank=self.rank)
         seconds = time.perf_counter() - t0
         self._send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
         self._log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
+
+    def capture(self, step: int) -> dict[str, Any]:
+        """The hand-over record of this rank after ``step``: its save() state, DDP's bucket layout
+        and the identities of its process groups (which a joining rank checks against its own)."""
+        assert self.save_fn is not None
+        group = default_group.group()
+        return handover.record(self.save_fn(), step, ddp_layout.capture(), rank=self.rank,
+                               groups=group_identity.identities(group) if group is not None else [])
 
     def _reform(self, msg: dict[str, Any]) -> None:
         group = _require_group(self.rank)
@@ -292,6 +300,14 @@ class Agent:
                 rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, rejoin.gen, str(exc))
                 source = rejoin.source
         meta, user = rec["torchpass"], rec["user"]
+        if meta.get("rank") == self.rank:  # the replaced rank's own record (not a replica's)
+            try:
+                adopted = group_identity.reconcile(group, meta.get("groups", []), rank=self.rank)
+            except WorkerError as exc:
+                self._error(str(exc))  # the migration's reason; then the script fails here
+                raise
+            if adopted:
+                self._log.info("agent.groups_adopted", names=adopted)
         if handover.has_local_shards(user):
             user = handover.sharded_like(user, own if own is not None else self.save_fn(), rank=self.rank)
         ddp_layout.replay(group, meta["ddp"])

@@ -2,7 +2,8 @@
 that backend: registers the "torchpass" c10d backend and wraps init_process_group. On a joining
 rank the rendezvous is skipped (a local HashStore) and the group starts local. Groups made later
 by new_group (DeviceMesh, new_subgroups) are TorchPass subgroups of it (TorchPassGroup.new_group),
-re-formed with it; c10d sees the real backend's name, as under torchrun."""
+re-formed with it, on the backend new_group was asked for; split_group makes its splits through
+new_group too. c10d sees the real backend's name, as under torchrun."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from torchpass.group import BACKEND_NAME, TorchPassGroup
+from torchpass.group import BACKEND_NAME, TorchPassGroup, requested_backend
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
@@ -39,6 +40,9 @@ def install(*, joining: bool, collective: float | None = None) -> None:
         wrapped = _wrap(c10d.init_process_group)
         c10d.init_process_group = wrapped
         dist.init_process_group = wrapped
+        # new_group, new_subgroups and DeviceMesh all reach c10d's _new_group_with_tag
+        c10d._new_group_with_tag = _passing_backend(c10d._new_group_with_tag)
+        c10d.split_group = dist.split_group = _splitting(c10d.split_group)
 
 
 def group() -> TorchPassGroup | None:
@@ -99,6 +103,64 @@ def _wrap(original: Any) -> Any:
 
     init_process_group._torchpass = True  # type: ignore[attr-defined]
     return init_process_group
+
+
+def _passing_backend(original: Any) -> Any:
+    """c10d's _new_group_with_tag, telling TorchPassGroup.new_group the backend it was asked for."""
+    @functools.wraps(original)
+    def _new_group_with_tag(ranks: Any = None, timeout: Any = None, backend: Any = None, *args: Any,
+                            **kwargs: Any) -> Any:
+        token = requested_backend.set(str(backend) if backend else None)
+        try:
+            return original(ranks, timeout, backend, *args, **kwargs)
+        finally:
+            requested_backend.reset(token)
+    return _new_group_with_tag
+
+
+def _splitting(original: Any) -> Any:
+    """c10d's split_group, which needs a backend that splits its communicator (NCCL with a bound
+    device): on the TorchPass group each split is a new_group of its members instead, re-formed
+    like any subgroup. Without the TorchPass group, torch's own."""
+    @functools.wraps(original)
+    def split_group(parent_pg: dist.ProcessGroup | None = None, split_ranks: list[list[int]] | None = None,
+                    timeout: Any = None, pg_options: Any = None, group_desc: str | None = None,
+                    backend: Any = None) -> dist.ProcessGroup | None:
+        if _group is None or c10d._world.default_pg is not _group:
+            return original(parent_pg, split_ranks, timeout, pg_options, group_desc, backend)
+        parent = parent_pg or _group
+        members = _split_of(parent, split_ranks)
+        if members is None:
+            return None
+        sub = c10d.new_group(members, timeout=timeout, backend=backend or c10d._world.pg_map[parent][0],
+                             pg_options=pg_options, use_local_synchronization=True, group_desc=group_desc)
+        return None if sub is c10d.GroupMember.NON_GROUP_MEMBER else sub
+    return split_group
+
+
+def _split_of(parent: dist.ProcessGroup, split_ranks: list[list[int]] | None) -> list[int] | None:
+    """The global ranks of this rank's split (``split_ranks``: group ranks in ``parent``, as
+    split_group takes them), None when it is in none; bad splits are torch's ValueErrors."""
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    to_group = c10d._world.pg_group_ranks.get(parent)
+    if to_group is None:
+        raise ValueError(f"Group {parent} is not registered")
+    assert _group is not None
+    me = to_group.get(_group.rank())
+    if me is None:
+        raise ValueError(f"Global rank {_group.rank()} is not part of the parent group {parent}")
+    to_global = {group_rank: global_rank for global_rank, group_rank in to_group.items()}
+    taken: set[int] = set()
+    mine = None
+    for split in split_ranks:
+        if not split or len(set(split)) != len(split) or not set(split) <= to_global.keys() or taken & set(split):
+            raise ValueError(f"split_group: split {split} is empty, repeats a rank, names a rank outside the "
+                             f"parent group (size {len(to_global)}) or overlaps another split")
+        taken |= set(split)
+        if me in split:
+            mine = sorted(to_global[r] for r in split)
+    return mine
 
 
 def _show_real_backend() -> None:

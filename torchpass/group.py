@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
+import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,6 +24,12 @@ from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
 BACKEND_NAME = "torchpass"
+REFORMABLE_BACKENDS = ("gloo", "nccl")  # what build_inner can build again at every re-form
+
+# The backend a new_group call asked for: c10d hands the default group's new_group only ranks,
+# timeout, options, name and description, so default_group's wrapper of c10d's new_group sets it.
+requested_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("torchpass_new_group_backend",
+                                                                             default=None)
 MAX_WATCHED = 4096  # works kept per step for failed(); a step issuing more keeps its latest
 
 # Every collective a c10d ProcessGroup exposes (Python API names, which are also the names the
@@ -73,6 +81,24 @@ def _make_backend(name: str, store: dist.Store, rank: int, world_size: int, time
                       hint="use gloo or nccl in init_process_group", rank=rank)
 
 
+def check_backend(backend: str, api: str, rank: int) -> str:
+    """``backend`` ("gloo", "cpu:gloo,cuda:nccl"...) normalised, if every device's backend in it
+    can be re-formed; else a WorkerError naming ``api``, at the call (not at the next re-form)."""
+    try:
+        device_map = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    except (ValueError, RuntimeError) as exc:
+        raise WorkerError(f"{api}(backend={backend!r}): not a backend torch knows ({exc})", rank=rank) from exc
+    odd = sorted({b for b in device_map.values() if b not in REFORMABLE_BACKENDS})
+    if odd:
+        raise WorkerError(f"{api}(backend={backend!r}): TorchPass re-forms only "
+                          f"{' and '.join(REFORMABLE_BACKENDS)} groups after a migration, not {', '.join(odd)}",
+                          hint="make this group on gloo or nccl, or run the job without --torchpass", rank=rank)
+    if "nccl" in device_map.values() and not dist.is_nccl_available():
+        raise WorkerError(f"{api}(backend={backend!r}): this torch build has no NCCL",
+                          hint="install a CUDA build of torch or use gloo", rank=rank)
+    return str(dist.Backend(backend))
+
+
 def _done(result: Any) -> Any:
     """A completed Work, for collectives answered locally."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -98,6 +124,9 @@ class TorchPassGroup(dist.ProcessGroup):
         self.ranks = list(ranks) if ranks is not None else list(range(world_size))  # global ranks
         self.options = options
         self.subgroups: list[TorchPassGroup] = []  # made by new_group, in creation order (same on every rank)
+        self.made: collections.Counter[str] = collections.Counter()  # subgroups made per member set
+        self.adopted: dict[str, TorchPassGroup] = {}  # group_identity.reconcile: the script makes them later
+        self._key = name  # its store prefix under the default group's (see _store_key)
         self.destroyed = False  # destroy_process_group(this subgroup): no longer re-formed
         self._name = name
         self._desc = ""
@@ -156,19 +185,51 @@ class TorchPassGroup(dist.ProcessGroup):
         if not group_name:
             raise WorkerError("new_group without a group name", rank=me,
                               hint="TorchPass subgroups are made by torch.distributed.new_group")
+        backend = check_backend(requested_backend.get() or self.backend, "new_group", me)
+        early = self.adopted.pop(group_name, None)
+        if early is not None:  # made by the leaving rank's script before the migration: the same group
+            if (early.ranks, early.backend) != (ranks, backend):
+                raise WorkerError(f"new_group {group_name!r} asks for ranks {ranks} on {backend}, but the rank this "
+                                  f"process replaced had it with ranks {early.ranks} on {early.backend}",
+                                  hint="every rank must make the same groups in the same order", rank=me)
+            return early
         timeout = timeout or self.timeout
         if self.max_timeout is not None and timeout > self.max_timeout:
             timeout = self.max_timeout
-        store = None if self._store is None else dist.PrefixStore(f"sub/{group_name}/", self._store)
-        sub = TorchPassGroup(self.backend, store, ranks.index(me), len(ranks), timeout,
+        key = self._store_key(ranks)
+        store = None if self._store is None else dist.PrefixStore(f"sub/{key}/", self._store)
+        sub = TorchPassGroup(backend, store, ranks.index(me), len(ranks), timeout,
                              local=self.local, name=group_name, ranks=ranks, options=pg_options)
-        sub.gen = self.gen
+        sub.gen, sub._key = self.gen, key
         if group_desc:
             sub._set_group_desc(group_desc)
         self.subgroups.append(sub)
         log.get(rank=me, gen=self.gen).info("group.subgroup_made", name=group_name, ranks=ranks,
-                                              local=self.local)
+                                              backend=backend, local=self.local)
         return sub
+
+    def _store_key(self, ranks: list[int]) -> str:
+        """Where a new subgroup's members meet in the store: its members, and how many groups of
+        exactly these members came before it. Every member makes every group of its members, in
+        one order, so the key is the same on each; c10d's name is not (use_local_synchronization
+        and split_group hash it with the number of groups the rank is in)."""
+        members = hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()[:16]
+        key = f"{members}#{self.made[members]}"
+        self.made[members] += 1
+        return key
+
+    def adopt(self, name: str, ranks: list[int], backend: str) -> None:
+        """On a joining (local) rank: a subgroup the replaced rank's script made after register(),
+        which this one's makes later, if at all. It is re-formed from now on (its other members
+        wait for this rank there), and the script's own new_group of it gets it back."""
+        me = self.rank()
+        timeout = self.timeout if self.max_timeout is None else min(self.timeout, self.max_timeout)
+        sub = TorchPassGroup(check_backend(backend, "new_group", me), None, ranks.index(me), len(ranks), timeout,
+                             local=True, name=name, ranks=ranks)
+        sub._key = self._store_key(ranks)
+        self.subgroups.append(sub)
+        self.adopted[name] = sub
+        log.get(rank=me).info("group.subgroup_adopted", name=name, ranks=ranks, backend=backend)
 
     @property
     def local(self) -> bool:
@@ -194,7 +255,7 @@ class TorchPassGroup(dist.ProcessGroup):
         # numbers, so each subgroup keeps its members and their group ranks.
         live = [sub for sub in self.subgroups if not sub.destroyed]
         for sub in live:
-            sub._rebuild(gen, dist.PrefixStore(f"sub/{sub._name}/", base))
+            sub._rebuild(gen, dist.PrefixStore(f"sub/{sub._key}/", base))
         self.subgroups = live
         log.get(rank=rank, gen=gen).info("group.reformed", prefix=prefix, backend=self.backend,
                                          subgroups=[sub._name for sub in live])

@@ -23,9 +23,12 @@ _POLL = 0.005
 _SHARD = "__torchpass_local_shard__"  # marks a DTensor sent as {_SHARD: local tensor, "shape": [...]}
 
 
-def record(user_state: Any, step: int, ddp: list[dict[str, Any]]) -> dict[str, Any]:
-    """The hand-over record for ``user_state`` taken after ``step`` completed steps."""
-    return {"torchpass": {"format": FORMAT, "step": step, "ddp": ddp}, "user": _local_shards(user_state)}
+def record(user_state: Any, step: int, ddp: list[dict[str, Any]], *, rank: int = -1,
+           groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The hand-over record for ``user_state`` taken after ``step`` completed steps by ``rank``,
+    whose process groups are ``groups`` (group_identity.identities)."""
+    return {"torchpass": {"format": FORMAT, "step": step, "ddp": ddp, "rank": rank, "groups": groups or []},
+            "user": _local_shards(user_state)}
 
 
 def _map(fn: Any, obj: Any, *others: Any) -> Any:

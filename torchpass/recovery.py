@@ -68,7 +68,7 @@ def interrupt(agent: Agent, exc: BaseException) -> Rejoin:
     own: dict[str, Any] | None = None
     if agent.save_fn is not None:
         try:
-            own = handover.record(agent.save_fn(), step, ddp_layout.capture())
+            own = agent.capture(step)
         except Exception as save_exc:  # the user's save(): report it; no recovery then
             error += f"; save() failed: {save_exc!r}"
     traceback.clear_frames(exc.__traceback__)  # the failed run's frames hold its model and graph

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.group_workers import results
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
@@ -33,7 +35,7 @@ def _run(argv: list[str], tmp: Path) -> dict[int, dict]:
     out.mkdir()
     res = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT,
                          env={**os.environ, "TORCHPASS_LOG_DIR": str(tmp), "MESH_RESULT_DIR": str(out)})
-    found = MESH.results(out)
+    found = results(out)
     teardown_abort = res.returncode != 0 and len(found) == WORLD and "SIGABRT" in res.stderr  # torch 2.13 gloo flake
     assert res.returncode == 0 or teardown_abort, f"{argv[:4]} rc {res.returncode}: {res.stderr[-4000:]}"
     assert sorted(found) == list(range(WORLD)), res.stdout[-2000:]

@@ -6,17 +6,13 @@ losses as float.hex, parameter hashes) must be right and bit-identical to the re
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.group_workers import REFORM, run_workers
+
 WORLD = 4
 
 # The workload, also run by tests/integration/test_mesh_under_launchpad.py under launchpad and
@@ -140,16 +136,7 @@ def phase(tag, earlier):
     return groups
 
 
-def reform(gen):
-    if os.environ.get("MESH_TEST_REFORM") != "1":
-        return
-    from torchpass import default_group
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60), wait_for_workers=False)
-    default_group.group().reconfigure(gen, rank, world, store, f"torchpass/gen{gen}/")
-    put(f"reformed{gen}", True)
-
-
+''' + REFORM + r'''
 models, opts, meshes = build_models()
 for name, mesh in meshes.items():
     for i in range(mesh.ndim):
@@ -168,60 +155,11 @@ dist.destroy_process_group()
 '''
 
 
-def results(result_dir: Path) -> dict[int, dict]:
-    """rank -> {"out": ..., "kinds": ...} from the files the ranks wrote to result_dir."""
-    found = {}
-    for path in result_dir.glob("rank*.json"):
-        rec = json.loads(path.read_text())
-        found[rec["rank"]] = rec
-    return found
-
-
-_LAUNCH = """
-import runpy, sys
-if sys.argv[1] == "torchpass":
-    from torchpass import default_group
-    default_group.install(joining=False, collective=60.0)
-runpy.run_path(sys.argv[2], run_name="__main__")
-"""
-
-
-def run_workers(tmp: Path, torchpass: bool) -> dict[int, dict]:
-    """Run WORKLOAD on WORLD processes (a TCPStore hosted here, as launchpad and torchrun do)."""
-    script = tmp / "workload.py"
-    script.write_text(WORKLOAD)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    procs = []
-    for r in range(WORLD):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   MESH_TEST_REFORM="1" if torchpass else "0", MESH_RESULT_DIR=str(tmp))
-        procs.append(subprocess.Popen([sys.executable, "-c", _LAUNCH, "torchpass" if torchpass else "plain",
-                                       str(script)], env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True))
-    try:
-        for r, p in enumerate(procs):
-            _, stderr = p.communicate(timeout=240)
-            # torch 2.13's gloo sometimes aborts in destroy_process_group, after the results
-            teardown_abort = p.returncode == -6 and (tmp / f"rank{r}.json").exists()
-            assert p.returncode == 0 or teardown_abort, (
-                f"rank {r} ({'torchpass' if torchpass else 'plain'}) rc {p.returncode}: {stderr[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    found = results(tmp)
-    assert sorted(found) == list(range(WORLD))
-    return found
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(plain gloo reference, TorchPass groups re-formed twice), each rank's results."""
-    plain = run_workers(tmp_path_factory.mktemp("plain"), torchpass=False)
-    reformed = run_workers(tmp_path_factory.mktemp("torchpass"), torchpass=True)
+    plain = run_workers(tmp_path_factory.mktemp("plain"), WORKLOAD, WORLD, torchpass=False)
+    reformed = run_workers(tmp_path_factory.mktemp("torchpass"), WORKLOAD, WORLD, torchpass=True)
     return plain, reformed
 
 
