@@ -293,6 +293,7 @@ class Agent:
                 break
             except Exception as exc:
                 if rejoin is None:
+                    self._error(f"receiving the state failed: {exc}")  # the migration's reason
                     raise
                 # a survivor whose donor's stream broke keeps its own state and waits for a new recover
                 self._error(f"loading the donor's state failed: {exc}; this rank keeps its own state "

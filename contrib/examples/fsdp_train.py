@@ -96,7 +96,7 @@ def main() -> None:
     torchpass.register(save=save, load=load)
 
     log = open(args.log, "a", buffering=1) if args.log else None
-    late: dist.ProcessGroup | None = None  # a group made mid-run (after a migration, in the tests)
+    late: dist.ProcessGroup | None = None  # a group made mid-run (before or after a migration)
     while progress["step"] < args.steps:
         step = progress["step"]
         g = torch.Generator().manual_seed(100003 * step + data_index)

@@ -20,10 +20,13 @@ FSDP_EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
 
 
 HSDP_SCRIPT = SCRIPT_PRELUDE + r'''
+import os
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+# as a script that sizes its mesh from the node it runs on would (the tests vary it on a joiner)
+replicas = int(os.environ.get("TEST_MESH_REPLICAS", "2"))
+mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 pair = dist.new_group([0, 1]), dist.new_group([2, 3])
 mine = pair[0] if rank < 2 else pair[1]
 torch.manual_seed(0)
@@ -78,16 +81,22 @@ def _finished(d, procs) -> None:
         assert rc in (0, -6), (proc.args, rc)  # -6: torch 2.13 gloo teardown abort after the final line
 
 
-def _replace_rank(drivers, script: Path, args: list[str], leaving: int, transport: str,
-                  replicas: dict[int, list[int]]) -> None:
-    """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
-    (state through a file or the wormhole); losses and final parameters must be bit-identical.
-    Each rank reports once which ranks hold its state: ``replicas``."""
+def _reference(drivers, script: Path, args: list[str]) -> tuple[dict, dict]:
+    """Losses and final parameter hashes of ``script`` run undisturbed, without the agent."""
     ref = drivers("reference", WORLD, ["--steps", str(STEPS), *args], script)
     ref_logs = [ref.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
     _finished(ref, [ref.start(r, ref_logs[r], agent=False) for r in range(WORLD)])
     ref_losses, ref_finals = read_logs(*ref_logs)
     assert len(ref_losses) == WORLD * STEPS and len(set(ref_finals.values())) == 1
+    return ref_losses, ref_finals
+
+
+def _replace_rank(drivers, script: Path, args: list[str], leaving: int, transport: str,
+                  replicas: dict[int, list[int]]) -> None:
+    """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
+    (state through a file or the wormhole); losses and final parameters must be bit-identical.
+    Each rank reports once which ranks hold its state: ``replicas``."""
+    ref_losses, ref_finals = _reference(drivers, script, args)
 
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05", *args], script)
     dest, source = handover_ends(transport, d.tmp)
@@ -133,3 +142,44 @@ def test_replacing_a_rank_of_the_fsdp2_example_moves_its_dcp_shards_bit_identica
     shards; they cross the wormhole as local shards and become DTensors on the joiner's mesh."""
     alone = {r: [r] for r in range(WORLD)}  # every rank its own shard: no replica (unplanned: requeue)
     _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], leaving=1, transport="wormhole", replicas=alone)
+
+
+@pytest.mark.slow
+def test_a_group_the_script_made_in_its_loop_before_the_move_is_adopted_by_the_joiner(drivers):
+    """fsdp_train.py --new-group-at 1 makes a group at step 1 (before the pause): the joiner, which
+    starts past that step, adopts it from the record; its own new_group of it returns that group."""
+    alone = {r: [r] for r in range(WORLD)}
+    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", "fsdp", "--new-group-at", "1"], leaving=3, transport="wormhole",
+                  replicas=alone)
+
+
+@pytest.mark.slow
+def test_a_joiner_that_builds_another_mesh_fails_the_migration_and_the_job_goes_on(drivers, tmp_path):
+    """The joiner sizes its mesh 1 x 4 where the job runs 2 x 2: it reports the first group that
+    differs before it would join; the leaving rank, still parked, is re-formed with the others
+    (as torchpassd's reform back does) and the run ends bit-identical to an undisturbed one."""
+    script = tmp_path / "hsdp.py"
+    script.write_text(HSDP_SCRIPT)
+    ref_losses, ref_finals = _reference(drivers, script, [])
+    d = drivers("disagree", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05"], script)
+    dest, source = handover_ends("file", d.tmp)
+    joiner = d.start(2, d.tmp / "joiner.jsonl", **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source),
+                                                   "TEST_MESH_REPLICAS": "1"})
+    new = d.hellos.get(timeout=WAIT)
+    assert new.inbox.get(timeout=WAIT) == {"t": ac.READY}
+    logs = [d.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
+    workers = [d.start(r, logs[r]) for r in range(WORLD)]
+    d.connect(WORLD)
+    d.wait_steps(3)
+    d.pause_all(gen=2, margin=3)
+    d.send(2, ac.SAVE, dest=dest)
+    d.expect(2, ac.SAVED)
+    error = new.inbox.get(timeout=WAIT)
+    assert error["t"] == ac.ERROR, error
+    assert "disagree about the mesh" in error["msg"], error["msg"]
+    assert joiner.wait(timeout=WAIT) != 0
+    joiner_log = d.tmp / "joiner.jsonl"
+    assert not joiner_log.exists() or not joiner_log.read_text()  # it never trained
+    d.reform_and_resume(gen=3)
+    _finished(d, workers)
+    assert read_logs(*logs) == (ref_losses, ref_finals)
