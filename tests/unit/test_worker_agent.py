@@ -72,10 +72,11 @@ def test_hello_and_step_reports_thinned_for_fast_steps(setup):
 
 
 def test_parks_after_the_chosen_step_until_resume(setup):
-    _, launchpad, train = setup
+    agent, launchpad, train = setup
     launchpad.recv()  # hello
     at_step = steps.current() + 2
     launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=at_step))
+    wait_for_command(agent)  # else a busy machine may run past the step before the pause arrives
     trainer = threading.Thread(target=train, args=(3,))
     trainer.start()
     assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": at_step}
