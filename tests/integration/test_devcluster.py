@@ -113,6 +113,8 @@ def test_exec_runs_inside_the_named_node(devcluster: DevCluster) -> None:
 @slurm
 def test_kill_node_kills_everything_inside_and_start_node_brings_it_back(devcluster: DevCluster) -> None:
     devcluster.reset()
+    # A plain Slurm job (no TorchPass: this tests the dev cluster's kill), kept alive past the
+    # node's death by Slurm's own --no-kill so that it can be cancelled afterwards.
     job = devcluster.sbatch("#!/bin/bash\nsrun --no-kill sleep 300\n", "-N", "2", "-w", "n2,n3", "--no-kill")
     devcluster.wait_job_state(job, "RUNNING")
     netns = f"tpdc{devcluster.id}-n3"
