@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import shlex
 import subprocess
 import sys
 import time
@@ -45,6 +45,20 @@ def _devcluster() -> Any | None:
     return inst if inst.nodes else None
 
 
+def _config(drill: Drill) -> dict[str, str]:
+    """slurmctld's running configuration (``scontrol show config``), as "Key = value" pairs."""
+    out = drill.runner.run(["scontrol", "show", "config"])
+    return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep}
+
+
+def kill_script(workers: list[int], slurmd_pidfile: str) -> str:
+    """The shell script that kills a node for real by pid: each worker, its parent (launchpad) and
+    grandparent (the step's slurmstepd), and the slurmd whose pid file is ``slurmd_pidfile``."""
+    return ("for p in " + " ".join(str(int(p)) for p in workers) + "; do l=$(ps -o ppid= -p $p); "
+            "s=$(ps -o ppid= -p ${l:-0}); kill -9 $s $l $p; done; "
+            f"kill -9 $(cat {shlex.quote(slurmd_pidfile)})")
+
+
 class Fault:
     """Kills (or cuts off) one node of the drill job, and undoes it after the drill."""
 
@@ -53,9 +67,8 @@ class Fault:
             raise MigrationError(f"unknown fault {kind!r}", hint=f"use one of {', '.join(FAULTS)}")
         self.drill, self.kind = drill, kind
         self.inst = _devcluster()
-        conf = drill.cfg.slurm.slurm_conf or os.environ.get("SLURM_CONF", "")
-        if self.inst is not None and conf and Path(conf).resolve() != Path(self.inst.slurm_conf).resolve():
-            self.inst = None  # a dev cluster runs here, but the drill talks to another cluster
+        if self.inst is not None and _config(drill).get("ClusterName") != self.inst.cluster_name:
+            self.inst = None  # a dev cluster runs here, but the drill's slurmctld is another cluster's
         if kind == "cut" and self.inst is None:
             raise MigrationError("the network-cut drill needs the dev cluster",
                                  hint="use --fault kill on a real cluster")
@@ -73,12 +86,13 @@ class Fault:
             at = time.time()
             (faults.kill_node if self.kind == "kill" else faults.cut)(self.inst, node, self.drill.say)
             return at
-        # A real cluster: a step on the node SIGKILLs the job's workers, their launchpad and slurmd.
-        script = ("for p in " + " ".join(map(str, pids)) + "; do kill -9 $(ps -o ppid= -p $p) $p; done; "
-                  "kill -9 $(pidof slurmd) $(pidof slurmstepd)")
+        # A real cluster: a step on the node SIGKILLs, by pid, the job's workers, their launchpad,
+        # its slurmstepd and the node's slurmd (from its pid file), and nothing else there.
+        pidfile = _config(self.drill).get("SlurmdPidFile", "/run/slurmd.pid").replace("%n", node).replace("%h", node)
+        script = kill_script(pids, pidfile)
         at = time.time()
         subprocess.run(["srun", f"--jobid={self.drill.report.job_id}", "-w", node, "-N1", "-n1", "--overlap",
-                        "sh", "-c", script], capture_output=True, timeout=60, check=False)
+                        "sh", "-c", script], capture_output=True, timeout=60, check=False, env=self.drill.runner.env())
         return at
 
     def undo(self) -> None:

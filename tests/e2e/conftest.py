@@ -76,10 +76,15 @@ def workdir(e2e_dir: Path, request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def tp_config(devcluster: DevCluster, e2e_dir: Path) -> Path:
-    """torchpass.toml for this dev cluster (whose slurm.conf enables the TorchPass cli_filter)."""
+    """torchpass.toml for this dev cluster, written as `make demo` writes it: its slurm_conf is a
+    client slurm.conf that includes the cluster's and enables the TorchPass cli_filter."""
     subprocess.run(["make", "-s", "-C", str(ROOT / "spank")], check=True, timeout=120)
-    client_conf = Path(devcluster.slurm_conf)
-    assert "CliFilterPlugins=cli_filter/lua" in client_conf.read_text(), f"{client_conf} lacks the cli_filter"
+    assert "CliFilterPlugins=cli_filter/lua" in Path(devcluster.slurm_conf).read_text()
+    client_conf = e2e_dir / "slurm.conf"
+    client_conf.write_text(f"include {devcluster.slurm_conf}\nCliFilterPlugins=cli_filter/lua\n")
+    lua = e2e_dir / "cli_filter.lua"
+    if not lua.exists():
+        lua.symlink_to(ROOT / "spank" / "cli_filter.lua")
     broker = devcluster.info["broker"]
     path = e2e_dir / "torchpass.toml"
     path.write_text(

@@ -48,9 +48,14 @@ def _assert_drill_ok(report: dict, fault: str) -> None:
     assert phases[-1] == "released" and "recovered" in phases, phases
 
 
-def test_drill_unplanned_kill_of_a_two_rank_node(torchpassd: Daemon, tp_config: Path) -> None:
+def test_drill_unplanned_kill_of_a_two_rank_node(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path) -> None:
+    """Configured as `make demo` configures torchpassd (slurm_conf: a client file including the
+    cluster's), the drill still knows the dev cluster by asking slurmctld and kills one node only."""
+    slurmds = {n["name"]: n["slurmd_pid"] for n in devcluster.info["nodes"]}
     report = _drill(tp_config, "unplanned", "--nodes", "3", "--nproc-per-node", "2")
     _assert_drill_ok(report, "kill")
+    others = {node: pid for node, pid in slurmds.items() if node != report["migrated_from"]}
+    assert len(others) == len(slurmds) - 1 and all(Path(f"/proc/{pid}").exists() for pid in others.values()), slurmds
     assert len(report["moved_ranks"]) == 2, report
     assert 0 <= report["detect_s"] < 5 and 0 < report["pause_s"] < 90, report  # Last Will: within seconds
 

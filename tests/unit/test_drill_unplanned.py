@@ -1,16 +1,19 @@
 """The unplanned drill's verdict on a training log split at the kill: the failed step may be
 logged twice (started before the kill, redone after) with the same loss; a completed step
-logged again, a replay with another loss or a skipped step fails the drill."""
+logged again, a replay with another loss or a skipped step fails the drill. And its kill on a
+real cluster, by pid."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from torchpassd.drill import DrillReport
-from torchpassd.drill_unplanned import judge
+from torchpassd.drill_unplanned import judge, kill_script
 
 
 def _write(path: Path, rows: list[tuple[int, int, str]], finals: bool = True) -> int:
@@ -51,3 +54,34 @@ def test_verdict(tmp_path: Path, case: str) -> None:
         assert rep.resumed_at_step == 6 != rep.expected_step  # the drill is not ok: step 5 never ran on rank 1
     else:
         assert rep.bit_identical is False and "recomputed or replayed differently" in (rep.error or "")
+
+
+def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_that_slurmd_only(tmp_path: Path) -> None:
+    """On a real cluster the drill kills by pid (a dev cluster's nodes share one pid namespace, so
+    `pidof slurmd` there would take every node's): a stand-in step (stepd -> launchpad -> worker),
+    a stand-in slurmd with its pid file, and a bystander that must live on."""
+    step = subprocess.Popen(["sh", "-c", "sh -c 'sleep 300 & echo $! > worker; wait' & wait"], cwd=tmp_path,
+                            start_new_session=True)
+    slurmd = subprocess.Popen(["sleep", "300"])
+    bystander = subprocess.Popen(["sleep", "300"])
+    (tmp_path / "slurmd.pid").write_text(f"{slurmd.pid}\n")
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "worker").exists() or not (tmp_path / "worker").read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        worker = int((tmp_path / "worker").read_text())
+        launchpad = int(Path(f"/proc/{worker}/stat").read_text().split(")")[1].split()[1])
+        subprocess.run(["sh", "-c", kill_script([worker], str(tmp_path / "slurmd.pid"))], check=False, timeout=30)
+        assert step.wait(timeout=10) == -9  # the step's stepd stand-in
+        assert slurmd.wait(timeout=10) == -9
+        for pid in (worker, launchpad):
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+                assert time.monotonic() < deadline, f"{pid} still runs"
+                time.sleep(0.02)
+        assert bystander.poll() is None
+    finally:
+        for proc in (step, slurmd, bystander):
+            proc.kill()
+            proc.wait()

@@ -98,6 +98,11 @@ class Instance:
     def pidfile(self, daemon: str) -> Path:
         return self.run_dir / f"{daemon}.pid"
 
+    @property
+    def cluster_name(self) -> str:
+        """slurm.conf's ClusterName: how a tool asking slurmctld tells this dev cluster."""
+        return f"tpdc{self.id}"
+
     # ---- network ---------------------------------------------------------------------------
     @property
     def subnet(self) -> str:
