@@ -1,6 +1,8 @@
-"""The REST backend against a stand-in slurmrestd on a unix socket that resets connections: a
-transient reset costs a retry, not the watcher's poll; one that lasts is a SlurmError naming the
-socket and the tries (the live backend is tested in tests/integration/test_slurm_adapter.py)."""
+"""Transient Slurm API failures cost a retry, not the watcher's poll. The REST backend against a
+stand-in slurmrestd on a unix socket that resets connections; one that lasts is a SlurmError naming
+the socket and the tries. Any backend's snapshot retries Slurm's transient errors (timeouts,
+slurmctld unreachable) and raises the others at once. (The live backends are tested in
+tests/integration/test_slurm_adapter.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from slurm_plugin.backends.rest import RETRIES, RestClient
+from slurm_plugin.client import SNAPSHOT_TRIES, SlurmClient
+from slurm_plugin.model import Job, Node, Reservation
 from slurm_plugin.runner import SlurmRunner
 from torchpass_common.errors import SlurmError
 
@@ -74,3 +78,41 @@ def test_no_slurmrestd_at_all_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SlurmError, match="did not answer GET /slurm/v0.0.42/ping") as err:
         RestClient(f"unix:{tmp_path / 'nothing.sock'}", SlurmRunner())
     assert "slurm.rest_url" in (err.value.hint or "")
+
+
+class Flaky(SlurmClient):
+    """A backend whose node read fails with ``errors`` first, then answers."""
+
+    name = "flaky"
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors, self.reads = list(errors), 0
+
+    def nodes(self) -> dict[str, Node]:
+        self.reads += 1
+        if self.errors:
+            raise SlurmError(self.errors.pop(0))
+        return {"n1": Node("n1", "idle", frozenset())}
+
+    def jobs(self) -> dict[int, Job]:
+        return {}
+
+    def reservations(self) -> dict[str, Reservation]:
+        return {}
+
+
+def test_a_transient_slurm_failure_costs_a_retry_inside_the_poll() -> None:
+    client = Flaky(["`squeue --json` failed (rc=1): slurm_load_jobs error: Socket timed out on send/recv operation",
+                    "`sinfo --json` failed (rc=1): Unable to contact slurm controller (connect failure)"])
+    assert list(client.snapshot().nodes) == ["n1"] and client.reads == 3
+
+
+def test_a_lasting_or_a_real_failure_raises() -> None:
+    lasting = Flaky(["Socket timed out on send/recv operation"] * SNAPSHOT_TRIES)
+    with pytest.raises(SlurmError, match="Socket timed out"):
+        lasting.snapshot()
+    assert lasting.reads == SNAPSHOT_TRIES
+    denied = Flaky(["`sinfo --json` failed (rc=1): Access/permission denied"])
+    with pytest.raises(SlurmError, match="permission denied"):
+        denied.snapshot()
+    assert denied.reads == 1
