@@ -365,6 +365,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
             tasks += [asyncio.create_task(_watch(watcher, orch, health, accounts)),
                       asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
+            tasks.append(asyncio.create_task(sdnotify.broker_status_loop(lambda: client.connected, slurm.name)))
             logger.info("torchpassd.ready", backend=slurm.name, metrics_port=metrics_server.port,
                         control_socket=cfg.orchestrator.control_socket)
             await stop.wait()

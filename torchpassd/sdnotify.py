@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 
 from torchpass_common import log
@@ -64,4 +65,25 @@ async def watchdog_loop(healthy: Callable[[], bool] = lambda: True) -> None:
             notify("WATCHDOG=1")
         else:
             log.get().warning("sdnotify.watchdog_withheld", reason="health check failed")
+        await asyncio.sleep(interval)
+
+
+async def broker_status_loop(connected: Callable[[], bool], backend: str, interval: float = 1.0) -> None:
+    """Keep STATUS= saying whether the MQTT broker is reachable (``connected()``, looked at every
+    ``interval`` s): while it is not, the clients reconnect with backoff and no node is declared dead
+    from silence (failure_detect holds its decisions)."""
+    was: bool | None = None
+    while True:
+        now = connected()
+        if now != was:
+            if now:
+                text = f"watching Slurm through {backend}; broker connected"
+            else:
+                text = f"watching Slurm through {backend}; broker unreachable since " \
+                       f"{time.strftime('%H:%M:%S')}: reconnecting; no node is declared dead meanwhile"
+            status(text)
+            if was is not None:
+                logger = log.get()
+                (logger.info if now else logger.warning)("torchpassd.broker", connected=now)
+            was = now
         await asyncio.sleep(interval)

@@ -87,3 +87,22 @@ def test_watchdog_meant_for_another_process_is_ignored(monkeypatch: pytest.Monke
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")
     monkeypatch.setenv("WATCHDOG_PID", "1")
     assert sdnotify.watchdog_interval() is None
+
+
+def test_status_says_when_the_broker_goes_and_comes_back(systemd_socket: socket.socket) -> None:
+    up = [True]
+
+    async def run() -> list[bytes]:
+        task = asyncio.create_task(sdnotify.broker_status_loop(lambda: up[0], "commands", interval=0.01))
+        seen = [await asyncio.to_thread(systemd_socket.recv, 4096)]
+        up[0] = False
+        seen.append(await asyncio.to_thread(systemd_socket.recv, 4096))
+        up[0] = True
+        seen.append(await asyncio.to_thread(systemd_socket.recv, 4096))
+        task.cancel()
+        return seen
+
+    first, down, back = asyncio.run(run())
+    assert first == back == b"STATUS=watching Slurm through commands; broker connected"
+    assert down.startswith(b"STATUS=watching Slurm through commands; broker unreachable since ")
+    assert down.endswith(b": reconnecting; no node is declared dead meanwhile")
