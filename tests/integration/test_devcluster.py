@@ -232,6 +232,26 @@ def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(dev
 
 
 @slurm
+@pytest.mark.matrix
+def test_twenty_up_down_cycles_in_a_row_each_come_up_whole_and_leave_nothing(devcluster: DevCluster) -> None:
+    """`up --nodes 5 --spares 1` right after `down`, twenty times (once, an up right after a down
+    failed: a slurmd exited at start-up; up now starts such a slurmd again)."""
+    second = DevCluster((devcluster.id + 5) % 10, nodes=5, spares=1)
+    cycles = int(os.environ.get("TORCHPASS_DEVCLUSTER_CYCLES", "20"))
+    try:
+        for cycle in range(cycles):
+            second.up()
+            info = second.info
+            assert info["up"] and len(info["nodes"]) == 5 and all(n["slurmd_pid"] for n in info["nodes"]), (cycle, info)
+            assert sorted(second.run("srun", "-N4", "hostname").stdout.split()) == ["n1", "n2", "n3", "n4"]  # n5: spare
+            second.down()
+            assert marked_processes(second.id) == [], cycle
+    finally:
+        second.down()
+    assert devcluster.info["up"]
+
+
+@slurm
 def test_up_refuses_a_port_another_program_holds_and_starts_nothing(devcluster: DevCluster) -> None:
     second = DevCluster((devcluster.id + 5) % 10, nodes=2, spares=0)
     port = 20000 + 100 * second.id + 17  # the second instance's slurmctld port

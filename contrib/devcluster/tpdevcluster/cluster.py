@@ -18,6 +18,7 @@ Say = Callable[[str], None]
 SERVICES = ("munged", "mariadbd", "slurmdbd", "slurmctld", "mosquitto")
 MAX_NODES = 50
 NODES_TIMEOUT = 30.0
+SLURMD_RESTARTS = 2  # times wait_nodes may start a slurmd again that exited at start-up
 READY_STATES = {"idle", "reserved"}
 STATE_SENTINEL = ".torchpass-devcluster"
 
@@ -90,25 +91,38 @@ def start(want: Instance, host: hostinfo.HostInfo, say: Say) -> None:
         daemons.start_slurmd(want, node)
     daemons.start_mosquitto(want)
     say(f"mosquitto ready on {want.bridge_addr}:{want.port('mosquitto')} and 127.0.0.1")
-    wait_nodes(want, want.node_names, {"idle"}, NODES_TIMEOUT)
+    wait_nodes(want, want.node_names, {"idle"}, NODES_TIMEOUT, restart=lambda node: daemons.start_slurmd(want, node),
+               say=say)
     say(f"all {want.nodes} nodes idle")
     slurmctl.ensure_reservation(want)
     if want.spares:
         say(f"reservation {SPARE_RESERVATION} holds {', '.join(want.spare_names)}")
 
 
-def wait_nodes(inst: Instance, nodes: list[str], states: set[str], timeout: float) -> None:
-    """Poll sinfo until every node in ``nodes`` is in one of ``states``."""
+def wait_nodes(inst: Instance, nodes: list[str], states: set[str], timeout: float, *,
+               restart: Callable[[str], None] | None = None, say: Say | None = None) -> None:
+    """Poll sinfo until every node in ``nodes`` is in one of ``states``. ``restart``: start a
+    node's slurmd again if it exited meanwhile (up to SLURMD_RESTARTS times each; once, right after
+    a `down`, one exited at start-up), else its exit is an error at once."""
     deadline = time.monotonic() + timeout
+    restarts: dict[str, int] = {}
     while True:
         current = slurmctl.node_states(inst)
         if all(current.get(n) in states for n in nodes):
             return
         dead = [n for n in nodes if not procs.daemon_pid(inst, f"slurmd.{n}")]
         if dead:
-            log = inst.log_dir / f"slurmd.{dead[0]}.log"
-            raise DevClusterError("slurmd is not running", instance=inst.id, node=",".join(dead),
-                                  hint=f"its log {log} ends with:\n{procs.log_tail(log)}")
+            node = dead[0]
+            log = inst.log_dir / f"slurmd.{node}.log"
+            if restart is None or restarts.get(node, 0) >= SLURMD_RESTARTS:
+                raise DevClusterError("slurmd is not running", instance=inst.id, node=",".join(dead),
+                                      hint=f"its log {log} ends with:\n{procs.log_tail(log)}")
+            restarts[node] = restarts.get(node, 0) + 1
+            if say is not None:
+                last = (procs.log_tail(log).strip().splitlines() or ["its log is empty"])[-1]
+                say(f"{node}: slurmd exited while starting ({last}); starting it again")
+            restart(node)
+            continue
         if time.monotonic() > deadline:
             raise DevClusterError(f"nodes not {'/'.join(sorted(states))} after {timeout:.0f} s: {current}",
                                   instance=inst.id, hint=f"see the logs in {inst.log_dir}")
