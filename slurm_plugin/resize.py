@@ -191,14 +191,15 @@ class JobResizer:
         return job
 
     def start_step(self, job_id: int, node: str, argv: Sequence[str], *, mode: str = "auto",
-                   extra_env: Mapping[str, str] | None = None, job_output: bool = False,
+                   extra_env: Mapping[str, str] | None = None, job_output: bool = False, chdir: str = "",
                    **popen: object) -> subprocess.Popen:
         """Start ``argv`` as a one-task step of job ``job_id`` on ``node``, as the job's user, under
         TorchPass (shim first on PATH), with --no-kill and --overlap (it may share CPUs with the
         job's long-running training step). ``job_output``: the task's stdout/stderr are appended to
         the job's own output files (written on ``node``: they must be on a file system it shares with
         the batch host, as job output usually is), so a rank that moved keeps reaching them.
-        Returns the srun process; the caller waits for it."""
+        ``chdir``: the task's working directory on ``node`` (srun --chdir; where it is missing,
+        Slurm starts the task in /tmp). Returns the srun process; the caller waits for it."""
         job = self._job(job_id)
         if node not in job.nodes:
             raise SlurmError(f"{node} is not part of job {job_id} ({hostlist.compress(job.nodes)})",
@@ -208,7 +209,8 @@ class JobResizer:
             log.get(job=job_id).info("slurm.rejoin_wait", node=node, seconds=round(wait, 2))
             time.sleep(wait)
         cmd = ["srun", f"--jobid={job_id}", "-w", node, "-N1", "-n1", "--no-kill", "--overlap",
-               f"--torchpass={mode}", *(self._output_options(job_id) if job_output else ()), "--", *argv]
+               f"--torchpass={mode}", *([f"--chdir={chdir}"] if chdir else []),
+               *(self._output_options(job_id) if job_output else ()), "--", *argv]
         log.get(job=job_id).info("slurm.step_start", node=node, argv=list(argv))
         return self.runner.popen(cmd, user=job.user, extra_env=extra_env, **popen)
 

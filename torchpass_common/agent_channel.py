@@ -23,8 +23,12 @@ ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
 ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_host", "port", "token"}
 # On a joining node's launchpad (never in a worker): JSON {"ranks": [...], "world_size", "group_rank",
-# "group_world_size", "sources": [...]}: local worker i joins as ranks[i], loading from sources[i].
+# "group_world_size", "sources": [...], "cwd"}: local worker i joins as ranks[i], loading from
+# sources[i], in the job's working directory cwd.
 ENV_JOIN_PLAN = "TORCHPASS_JOIN_PLAN"
+# A joining launchpad's exit code when the job's working directory is missing on its node (srun
+# then starts the task in /tmp): torchpassd names the cause from it.
+EXIT_NO_WORKDIR = 66
 ENV_OUTPUT_ARGS = "TORCHPASS_OUTPUT_ARGS"  # JSON list: the launchpad's output options (--tee ...), for a spare's
 ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into

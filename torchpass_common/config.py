@@ -65,10 +65,13 @@ class OrchestratorConfig:
     credentials_endpoint: str = ""  # HOST:PORT where torchpassd hands launchpads their job's broker account
     munge_socket: str = ""
     unplanned_no_spare: str = "wait"  # a node died and no spare is free: wait (survivors parked) | fail
+    spares_per_incident: int = 2  # spares one drained node's migration may use up before it is given up
 
     def validate(self) -> None:
         if self.unplanned_no_spare not in ("wait", "fail"):
             raise ConfigError(f"orchestrator.unplanned_no_spare must be wait or fail, got {self.unplanned_no_spare!r}")
+        if self.spares_per_incident < 1:
+            raise ConfigError(f"orchestrator.spares_per_incident must be at least 1, got {self.spares_per_incident}")
 
 
 @dataclass(frozen=True)

@@ -43,5 +43,14 @@ class MigrationError(TorchPassError):
     """A migration could not proceed; the job was left running (rolled back)."""
 
 
+class SpareFailed(MigrationError):
+    """The spare a migration took could not take over the ranks (its joiner did not start, or did
+    not get ready): torchpassd drains ``spare`` with this reason instead of using it again."""
+
+    def __init__(self, message: str, *, spare: str, hint: str | None = None, **where: object) -> None:
+        super().__init__(message, hint=hint, **where)
+        self.spare = spare
+
+
 class WorkerError(TorchPassError):
     """A worker process misbehaved: it died, hung, or its save/load functions raised."""

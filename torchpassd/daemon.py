@@ -28,7 +28,7 @@ from slurm_plugin.spares import SparePool, spares_of
 from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import Config
-from torchpass_common.errors import MigrationError, TorchPassError
+from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
 from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
@@ -50,6 +50,7 @@ class Orchestrator:
         self.watcher = watcher
         self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # -> (wall time seen, reason)
         self.retry_at: dict[tuple[str, str], float] = {}
+        self.failed_spares: dict[tuple[str, str], list[str]] = {}  # spares that could not take a node's ranks
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.unplanned = unplanned.Driver(self, control_up)  # dead nodes -> recoveries (#7)
@@ -79,6 +80,9 @@ class Orchestrator:
             for key in [k for k in self.pending if k[1] == e.node and k[0] not in self.active]:
                 self.pending.pop(key)
                 self.d.registry.job(key[0]).blocked = ""
+            for key in [k for k in self.failed_spares if k[1] == e.node]:  # an incident given up is over
+                self.failed_spares.pop(key)
+                self.d.registry.job(key[0]).blocked = ""
         self.d.metrics.jobs_tracked.set(len(self.watcher.jobs))
         if self.watcher.last is not None:
             free = [s for s in spares_of(self.watcher.last, self.d.pool.reservation) if s.available]
@@ -101,6 +105,7 @@ class Orchestrator:
         """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""
         if (job, node) not in self.pending:
             self.pending[(job, node)] = (time.time(), reason)
+            self.failed_spares.pop((job, node), None)  # a new incident gets its own spares
             self.log.info("migration.wanted", job=job, node=node, reason=reason)
         self.kick()
 
@@ -193,6 +198,9 @@ class Orchestrator:
         p = mig.plan
         if status == jn.SUCCEEDED:
             self.pending.pop((p.job, p.source), None)
+            self.failed_spares.pop((p.job, p.source), None)
+        elif mig.spare_failure is not None and self._spares_exhausted(p.job, p.source, mig.spare_failure):
+            pass  # given up: the job runs on where it is
         else:
             self.retry_at[(p.job, p.source)] = time.time() + RETRY_AFTER_S
             asyncio.get_running_loop().call_later(RETRY_AFTER_S + 0.1, self.kick)
@@ -202,6 +210,25 @@ class Orchestrator:
             await asyncio.to_thread(self.d.journal.upsert_job, p.job, user=view.user, mode=view.mode,
                                     state="RUNNING", gen=p.gen_after, nodes=list(nodes),
                                     detail={"batch_host": view.batch_host})
+
+    def _spares_exhausted(self, job: str, node: str, failure: SpareFailed) -> bool:
+        """Count ``failure``'s spare against this incident; True (and the incident given up, said
+        to the operator and in the job's output) once orchestrator.spares_per_incident have failed."""
+        failed = self.failed_spares.setdefault((job, node), [])
+        failed.append(failure.spare)
+        limit = self.d.cfg.orchestrator.spares_per_incident
+        if len(failed) < limit:
+            return False
+        self.pending.pop((job, node), None)
+        why = (f"gave up moving job {job}'s ranks off {node}: {len(failed)} spares ({', '.join(failed)}) could not "
+               f"take them, the last because {failure.message}; the job runs on on {node}. Fix the cause, resume "
+               f"the spares (scontrol update nodename=... state=resume) and drain {node} again")
+        self.log.error("migration.given_up", job=job, node=node, spares=failed, error=failure.message)
+        self.d.registry.job(job).blocked = why
+        asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.given_up", job_id=job,
+                                              detail={"node": node, "spares": failed, "why": why}))
+        asyncio.create_task(self.tell_job(job, why))
+        return True
 
     async def recover(self) -> None:
         """Finish or roll back the migrations a previous torchpassd left in flight."""

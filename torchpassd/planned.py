@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_plugin import node_admin
 from slurm_plugin.resize import JobResizer
 from slurm_plugin.spares import SparePool
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.config import Config
-from torchpass_common.errors import MigrationError, TorchPassError
+from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.metrics import Metrics
@@ -113,7 +114,9 @@ class WorkerTemplate:
             if name not in env:
                 raise MigrationError(f"the leaving worker's environment lacks {name}", job=job, node=node,
                                      hint="it was not started by launchpad")
-        return cls(argv[0], argv[boot + 1:], env, cwd.strip())
+        cwd = cwd.strip()
+        # Linux marks a working directory that was removed meanwhile; the joiner wants its name
+        return cls(argv[0], argv[boot + 1:], env, cwd.removesuffix(" (deleted)"))
 
     def output_args(self) -> list[str]:
         """The leaving node's launchpad output options (--tee, --log-dir, ...), to start the spare's
@@ -158,6 +161,7 @@ class Flow:
         self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
         self.last_phase = REQUESTED
+        self.spare_failure: SpareFailed | None = None  # the spare could not take the ranks (drained)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     async def phase(self, name: str, status: str = jn.RUNNING, error: str | None = None,
@@ -179,6 +183,12 @@ class Flow:
                    timeout: float | None = None) -> dict[str, Any]:
         return await self.d.commander.send(self.plan.job, node, cmd, migration=self.id, gen=gen,
                                            args=args, timeout=timeout or self.t.decision)
+
+    def failed_before_hand_over(self, exc: TorchPassError) -> str:
+        """Note whether ``exc`` was the spare's failure (roll_back then drains the spare) and
+        return the rollback's reason."""
+        self.spare_failure = exc if isinstance(exc, SpareFailed) else None
+        return str(exc)
 
     def before_hand_over(self) -> bool:
         """Nothing has moved yet: the leaving ranks still hold the only copy of their state."""
@@ -266,21 +276,23 @@ class Flow:
             group_rank = int(tpl.env.get("GROUP_RANK", 0))
         plan = {"ranks": ranks, "world_size": p.world_size, "group_rank": group_rank,
                 "group_world_size": int(tpl.env.get("GROUP_WORLD_SIZE", 1)),
-                "sources": [{"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()} for port in ports]}
+                "sources": [{"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()} for port in ports],
+                "cwd": tpl.cwd}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:
             proc = await asyncio.to_thread(
                 self.d.resizer.start_step, int(p.job), target, self._joiner_argv(tpl, len(ranks), target),
-                extra_env={ac.ENV_JOIN_PLAN: json.dumps(plan)}, job_output=True,
-                stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None, start_new_session=True)
+                extra_env={ac.ENV_JOIN_PLAN: json.dumps(plan)}, job_output=True, chdir=tpl.cwd,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             out.close()
         self.d.steps[self._step_key(target)] = proc
         asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
-        await self._wait_receiver(proc, target, target_addr, ports)
+        await self._wait_receiver(proc, target, target_addr, ports, tpl.cwd)
 
-    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str, ports: list[int]) -> None:
+    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str, ports: list[int],
+                             cwd: str) -> None:
         """Until every joining worker's wormhole receiver listens (it has built its model and sits in
         register()); the launchpad step ending first is a failure."""
         loop = asyncio.get_running_loop()
@@ -288,16 +300,16 @@ class Flow:
         waiting = list(ports)
         while waiting:
             if proc.poll() is not None:
-                raise MigrationError(f"the joiner's launchpad step on {target} ended (rc={proc.returncode})",
-                                     hint=f"see {self.d.steps_dir}", **self.where)
+                raise SpareFailed(_step_ended(proc.returncode, target, cwd), spare=target,
+                                  hint=f"see {self.d.steps_dir} and the job's output", **self.where)
             with contextlib.suppress(OSError):
                 sock = await asyncio.wait_for(asyncio.open_connection(target_addr, waiting[0]), 1.0)
                 sock[1].close()
                 waiting.pop(0)
                 continue
             if loop.time() > deadline:
-                raise MigrationError(f"the joiners on {target} did not get ready within {self.t.decision:.0f} s "
-                                     f"(not listening: ports {waiting})", **self.where)
+                raise SpareFailed(f"the joiners on {target} did not get ready within {self.t.decision:.0f} s "
+                                  f"(not listening: ports {waiting})", spare=target, **self.where)
             await asyncio.sleep(0.1)
 
     def _reform_args(self, gen: int) -> dict[str, Any]:
@@ -320,6 +332,12 @@ class Flow:
             await asyncio.to_thread(self.d.resizer.release_node, int(p.job), target)
         except TorchPassError as exc:
             problems.append(f"releasing {target}: {exc}")
+        if self.spare_failure is not None and self.spare_failure.spare == target:
+            reason = f"torchpass: joiner failed: {self.spare_failure.message}"[:200]
+            try:  # not back into the pool: the next migration would fail on it the same way
+                await asyncio.to_thread(node_admin.drain, self.d.resizer.runner, target, reason)
+            except TorchPassError as exc:
+                problems.append(f"draining the failed spare {target}: {exc}")
         self.d.pool.give_back(target)
         return problems
 
@@ -338,7 +356,7 @@ class PlannedMigration(Flow):
             await self._pause()
             await self._hand_over()
         except TorchPassError as exc:
-            await self.roll_back(str(exc))
+            await self.roll_back(self.failed_before_hand_over(exc))
             return jn.ROLLED_BACK
         return await self.finish()
 
@@ -505,3 +523,9 @@ async def resume_after_restart(mig: PlannedMigration, phase: str) -> str:
         return await mig.finish()
     raise MigrationError(f"in-flight migration is in unknown phase {phase}", **mig.where)
 
+
+def _step_ended(rc: int | None, target: str, cwd: str) -> str:
+    """Why a joiner's launchpad step ended before its workers got ready, in words."""
+    if rc == ac.EXIT_NO_WORKDIR:
+        return f"the job's working directory {cwd} does not exist on {target}: no joiner can start there"
+    return f"the joiner's launchpad step on {target} ended (rc={rc})"

@@ -51,7 +51,7 @@ class TransparentMigration(planned.PlannedMigration):
             await self._prepare()
             await self._pause()
         except TorchPassError as exc:
-            await self.roll_back(str(exc))
+            await self.roll_back(self.failed_before_hand_over(exc))
             return jn.ROLLED_BACK
         try:
             await self._hand_over()

@@ -181,9 +181,10 @@ class Training:
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
                  nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware",
-                 torchrun_args: str = "") -> None:
+                 torchrun_args: str = "", cwd: Path | None = None) -> None:
         """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
-        (with ``args``; ``mode``: its --torchpass mode); ``torchrun_args``: more torchrun options."""
+        (with ``args``; ``mode``: its --torchpass mode); ``torchrun_args``: more torchrun options;
+        ``cwd``: where sbatch runs (the job's working directory), ``workdir`` by default."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
@@ -197,7 +198,7 @@ class Training:
         (workdir / "train.sh").write_text(script)
         res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", f"-N{nodes}", "-o",
                               str(self.out), str(workdir / "train.sh")],
-                             capture_output=True, text=True, cwd=workdir, timeout=60,
+                             capture_output=True, text=True, cwd=cwd or workdir, timeout=60,
                              env=dict(cluster.env, SLURM_CONF=client_conf), check=True)
         self.job = res.stdout.strip().split(";")[0]
         self.out = workdir / f"slurm-{self.job}.out"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, wait_until
+from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
@@ -117,6 +117,33 @@ def test_drain_without_a_free_spare_waits_then_migrates(torchpassd: Daemon, devc
     mig = torchpassd.wait_migration(job.job, "n3")
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
     assert_bit_identical(job.wait_done(), reference(STEPS))
+
+
+@pytest.mark.faults
+def test_a_spare_missing_the_jobs_working_directory_is_drained_and_the_job_runs_on(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    """The job's working directory vanishes (a file system not mounted on the spare looks the same):
+    the joiner cannot start on n5, which is drained with that reason, not reused; with no other spare
+    the job says why it waits and trains on, undisturbed, to COMPLETED."""
+    cwd = workdir / "run"
+    cwd.mkdir(exist_ok=True)
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, cwd=cwd)
+    job.wait_running(torchpassd)
+    cwd.rmdir()
+    devcluster.drain("n3", "planned maintenance")
+    try:
+        mig = torchpassd.wait_migration(job.job, "n3")
+        assert mig["status"] == "rolled_back" and mig["target"] == "n5", mig
+        assert f"the job's working directory {cwd} does not exist on n5" in mig["error"], mig
+        reason = devcluster.run("sinfo", "-h", "-n", "n5", "-o", "%200E").stdout.strip()
+        assert reason.startswith("torchpass: joiner failed: the job's working directory"), reason
+        wait_until("the job to say why it waits", lambda: "no spare free" in torchpassd.job(job.job)["blocked"], 60)
+        assert len(torchpassd.migrations(job.job)) == 1  # the drained spare is not tried again
+        assert_bit_identical(job.wait_done(), reference(STEPS))
+        devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    finally:
+        devcluster.resume("n5")
 
 
 @pytest.mark.faults
