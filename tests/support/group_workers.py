@@ -12,6 +12,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -80,3 +81,11 @@ def run_workers(tmp: Path, workload: str, world: int, torchpass: bool) -> dict[i
     found = results(tmp)
     assert sorted(found) == list(range(world))
     return found
+
+
+def plain_and_reformed(tmp_path_factory: Any, workload: str, world: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    """``workload`` on plain gloo (the reference), then with TorchPass groups re-formed between
+    its phases: each rank's results from both runs."""
+    plain = run_workers(tmp_path_factory.mktemp("plain"), workload, world, torchpass=False)
+    reformed = run_workers(tmp_path_factory.mktemp("torchpass"), workload, world, torchpass=True)
+    return plain, reformed

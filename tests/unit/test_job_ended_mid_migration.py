@@ -8,49 +8,18 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from slurm_plugin import events as ev
-from torchpass_common import protocol
-from torchpass_common.config import Config
+from tests.support.orchestrator_stubs import JOB, Slurm, orchestrator
 from torchpassd import journal as jn
 from torchpassd import planned
 from torchpassd.daemon import Orchestrator
-from torchpassd.metrics import Metrics
-from torchpassd.registry import Registry
-
-JOB = "7"
-
-
-class Spares:
-    """The spare pool and the resizer: records what was given back and released."""
-
-    reservation = "torchpass_spares"
-
-    def __init__(self) -> None:
-        self.given_back: list[str] = []
-        self.released: list[str] = []
-
-    def give_back(self, node: str) -> None:
-        self.given_back.append(node)
-
-    def release_node(self, job: int, node: str) -> None:
-        self.released.append(node)
-
-
-class Watcher:
-    jobs: dict[str, Any] = {}
-    last = None
-
-
-async def _events(job: str, event: str, detail: dict[str, Any]) -> None:
-    return None
 
 
 async def _scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_after: str) -> tuple[
-        jn.Journal, Spares, Orchestrator, float]:
+        jn.Journal, Slurm, Orchestrator, float]:
     """A migration of n3 that gets to ``stop_after`` and then waits for ever (launchpads gone)."""
     async def prepare(self: planned.PlannedMigration) -> None:
         self.plan.ranks, self.plan.rank, self.plan.survivors = [2, 3], 2, ["n1"]
@@ -66,19 +35,7 @@ async def _scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_after:
 
     monkeypatch.setattr(planned.PlannedMigration, "_prepare", prepare)
     monkeypatch.setattr(planned.PlannedMigration, "_pause", pause)
-    registry = Registry()
-    await registry.update_job(JOB, nodes=("n1", "n3"), user="u", mode="aware", batch_host="n1")
-    for node, ranks in (("n1", (0, 1)), ("n3", (2, 3))):
-        body = {"node": node, "seq": 1, "workers": [{"rank": r, "step": 10, "state": "running", "pid": 99}
-                                                    for r in ranks]}
-        await registry.on_message(node, protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
-                                                                        body=body)))
-    journal = jn.Journal(tmp_path / "j.sqlite")
-    journal.upsert_job(JOB, user="u", mode="aware", state="RUNNING", gen=1, nodes=["n1", "n3"])
-    spares = Spares()
-    deps = planned.Deps(Config(), journal, registry, None, spares, spares, Metrics(), _events,  # type: ignore[arg-type]
-                        tmp_path / "steps")
-    orch = Orchestrator(deps, Watcher())  # type: ignore[arg-type]
+    orch, journal, spares = await orchestrator(tmp_path)
     orch._spawn(JOB, orch._migrate(JOB, "n3", time.time(), "node n3 draining: maintenance"))
     for _ in range(500):
         if JOB in orch.current and orch.current[JOB].last_phase == stop_after:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.group_workers import REFORM, run_workers
+from tests.support.group_workers import REFORM, plain_and_reformed
 
 WORLD = 8
 
@@ -120,10 +120,7 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(plain gloo reference, TorchPass groups re-formed twice): each rank's results."""
-    plain = run_workers(tmp_path_factory.mktemp("plain"), WORKLOAD, WORLD, torchpass=False)
-    reformed = run_workers(tmp_path_factory.mktemp("torchpass"), WORKLOAD, WORLD, torchpass=True)
-    return plain, reformed
+    return plain_and_reformed(tmp_path_factory, WORKLOAD, WORLD)
 
 
 def _pick(rec: dict, part: str) -> dict:

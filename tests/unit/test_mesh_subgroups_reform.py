@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.support.group_workers import REFORM, run_workers
+from tests.support.group_workers import REFORM, plain_and_reformed
 
 WORLD = 4
 
@@ -157,10 +157,7 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(plain gloo reference, TorchPass groups re-formed twice), each rank's results."""
-    plain = run_workers(tmp_path_factory.mktemp("plain"), WORKLOAD, WORLD, torchpass=False)
-    reformed = run_workers(tmp_path_factory.mktemp("torchpass"), WORKLOAD, WORLD, torchpass=True)
-    return plain, reformed
+    return plain_and_reformed(tmp_path_factory, WORKLOAD, WORLD)
 
 
 GENS = ("gen1", "gen2", "gen3")
