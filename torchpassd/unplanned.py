@@ -142,8 +142,8 @@ class UnplannedRecovery(Flow):
             return await self.stand_down(str(exc))
         except NoReplica as exc:
             return await self.requeue(str(exc))
-        except TorchPassError as exc:
-            return await self.fail(str(exc))
+        except TorchPassError as exc:  # a spare whose joiner could not start is drained (_drop_target)
+            return await self.fail(self.failed_before_hand_over(exc))
         return await self.finish()
 
     async def stand_down(self, reason: str) -> str:

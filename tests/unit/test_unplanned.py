@@ -17,6 +17,7 @@ import pytest
 
 from slurm_plugin.model import Node
 from slurm_plugin.spares import Spare
+from torchpass_common import agent_channel as ac
 from torchpass_common import protocol, rank_ranges
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError
@@ -42,10 +43,13 @@ def test_donor_is_the_most_advanced_survivor_and_laggards_load_its_state() -> No
 
 
 class FakeProc:
-    returncode = 0
+    returncode: int | None = 0
 
-    def __init__(self, out: str = "") -> None:
+    def __init__(self, out: str = "", ended: int | None = None) -> None:
         self.out = out
+        if ended is not None:  # a step that ended before its joiner got ready
+            self.returncode = ended
+            self.poll = lambda: ended  # type: ignore[method-assign]
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         return self.out, ""
@@ -72,6 +76,14 @@ class FakeSlurm:
         self.settled_nodes: list[str] = []
         self.client = self
         self.listeners: list[socket.socket] = []
+        self.joiner_rc: int | None = None  # set: every joiner step ends at once with it
+        self.runner = self
+        self.commands: list[list[str]] = []
+
+    # SlurmRunner
+    def run(self, argv: list[str], **where: Any) -> str:
+        self.commands.append(list(argv))
+        return ""
 
     # SlurmClient
     def nodes(self) -> dict[str, Node]:
@@ -107,6 +119,8 @@ class FakeSlurm:
         if argv[0] == "sh":
             return FakeProc(PROC_TEXT)
         assert "token" not in " ".join(argv)  # the wormhole token travels in the environment only
+        if self.joiner_rc is not None:
+            return FakeProc(ended=self.joiner_rc)
         if not self.listeners:
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -368,6 +382,21 @@ def test_no_spare_with_fail_policy_fails_clearly_and_survivors_exit(tmp_path: Pa
     mig = w.journal.history()[0]
     assert mig.phases[-1].phase == "failed" and "no usable spare" in (mig.error or "")
     assert {n for n, c, _, _ in w.commander.sent if c == "abort"} == {"n1", "n2", "n4"}
+    w.close()
+
+
+def test_a_spare_whose_joiner_cannot_start_is_named_and_drained_not_reused(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5", "n6"])
+    w.slurm.joiner_rc = ac.EXIT_NO_WORKDIR
+
+    async def go() -> str:
+        await w.setup()
+        return await w.recovery().run([_death("n3", 2)])
+    assert asyncio.run(go()) == jn.FAILED
+    mig = w.journal.history()[0]
+    assert "does not exist on n5: no joiner can start there" in (mig.error or ""), mig.error
+    assert [c[2:4] for c in w.slurm.commands] == [["nodename=n5", "state=drain"]]
+    assert w.slurm.released == ["n5"]
     w.close()
 
 
