@@ -240,10 +240,16 @@ def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], 
 PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)  # the examples' progress lines
 
 
-def sacct_state(devcluster: DevCluster, job: str) -> str:
-    """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``)."""
-    out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
-    return " ".join(out.strip().splitlines()[-1].split("|"))
+def sacct_state(devcluster: DevCluster, job: str, timeout: float = 30) -> str:
+    """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``);
+    slurmdbd learns of the end a moment after slurmctld, so a job still RUNNING there is asked again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
+        state = " ".join(out.strip().splitlines()[-1].split("|"))
+        if not state.startswith(("RUNNING", "PENDING")) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
 
 
 def assert_every_line_once(job: Training) -> None:

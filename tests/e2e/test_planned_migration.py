@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,22 @@ def test_a_spare_missing_the_jobs_working_directory_is_drained_and_the_job_runs_
         assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
     finally:
         devcluster.resume("n5")
+
+
+def test_a_drained_node_of_a_job_without_torchpass_is_left_alone(torchpassd: Daemon, devcluster: DevCluster) -> None:
+    """A plain job (no --torchpass) on a node that is drained: torchpassd takes no spare, starts no
+    migration and does not touch the job, which ends as Slurm ends it."""
+    job = devcluster.sbatch("#!/bin/bash\nsrun sleep 15\n", "-N2", "-w", "n2,n3")
+    devcluster.wait_job_state(job, "RUNNING")
+    devcluster.drain("n3", "planned maintenance")
+    try:
+        time.sleep(5)  # ten of torchpassd's Slurm polls
+        assert torchpassd.job(job) is None and not torchpassd.migrations(job)
+        assert devcluster.job_record(job)["NodeList"] == "n[2-3]"  # no spare added to it
+        devcluster.wait_job_state(job, ("COMPLETED",), timeout=60)
+        assert sacct_state(devcluster, job) == "COMPLETED 0:0"
+    finally:
+        devcluster.resume("n3")
 
 
 @pytest.mark.faults
