@@ -7,7 +7,6 @@ unchanged ``srun torchrun ...`` joins the control plane. Exit code: 0 when every
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import sys
@@ -86,7 +85,7 @@ def main(**opts: object) -> None:
     log.get(node=spec.node, run=spec.run_id).info("launchpad.started", argv=sys.argv, log_file=str(log_file))
     joining = agent_channel.ENV_JOIN_PLAN in os.environ  # a spare's launchpad joining mid-job: nothing torchrun says
     if joining:
-        _check_workdir(spec.node, log_file)
+        _check_workdir(spec.node, spec.nproc_per_node, log_file)
     if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1 and not joining:  # torchrun warns the same
         log.get().warning("workers.omp_num_threads", value=1, nproc_per_node=spec.nproc_per_node,
                           hint="OMP_NUM_THREADS=1 for each worker by default, so the workers do not "
@@ -99,14 +98,17 @@ def main(**opts: object) -> None:
     sys.exit(code)
 
 
-def _check_workdir(node: str, log_file: object) -> None:
+def _check_workdir(node: str, nproc: int, log_file: object) -> None:
     """A joining launchpad runs in the job's working directory (the join plan's cwd) or not at all:
     srun starts a task whose --chdir is missing on the node in /tmp, where the script's relative
     paths would name other files. Exits EXIT_NO_WORKDIR, which torchpassd reports."""
+    from launchpad.group import join_plan  # deferred: --help stays fast
+
     try:
-        wanted = json.loads(os.environ[agent_channel.ENV_JOIN_PLAN]).get("cwd") or ""
-    except (ValueError, AttributeError):
-        return  # a malformed plan is the workers' start's error (group.join_plan)
+        plan = join_plan(nproc)
+    except TorchPassError:
+        return  # a malformed plan is reported where the workers start
+    wanted = (plan or {}).get("cwd") or ""
     if wanted and os.path.realpath(os.getcwd()) != os.path.realpath(wanted):
         log.get(node=node).error("launchpad.no_workdir", wanted=wanted, cwd=os.getcwd())
         click.echo(f"launchpad: the job's working directory {wanted} does not exist on {node} (or is not "

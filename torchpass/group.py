@@ -193,19 +193,26 @@ class TorchPassGroup(dist.ProcessGroup):
                                   f"process replaced had it with ranks {early.ranks} on {early.backend}",
                                   hint="every rank must make the same groups in the same order", rank=me)
             return early
+        sub = self._subgroup(group_name, ranks, backend, timeout, pg_options)
+        if group_desc:
+            sub._set_group_desc(group_desc)
+        log.get(rank=me, gen=self.gen).info("group.subgroup_made", name=group_name, ranks=ranks,
+                                              backend=backend, local=self.local)
+        return sub
+
+    def _subgroup(self, name: str, ranks: list[int], backend: str, timeout: timedelta | None,
+                  options: Any = None) -> TorchPassGroup:
+        """A subgroup of this (default) group, built now unless this group is local, kept for the
+        re-forms. Its timeout is capped by max_timeout; its members meet under _store_key."""
         timeout = timeout or self.timeout
         if self.max_timeout is not None and timeout > self.max_timeout:
             timeout = self.max_timeout
         key = self._store_key(ranks)
         store = None if self._store is None else dist.PrefixStore(f"sub/{key}/", self._store)
-        sub = TorchPassGroup(backend, store, ranks.index(me), len(ranks), timeout,
-                             local=self.local, name=group_name, ranks=ranks, options=pg_options)
+        sub = TorchPassGroup(backend, store, ranks.index(self.rank()), len(ranks), timeout,
+                             local=self.local, name=name, ranks=ranks, options=options)
         sub.gen, sub._key = self.gen, key
-        if group_desc:
-            sub._set_group_desc(group_desc)
         self.subgroups.append(sub)
-        log.get(rank=me, gen=self.gen).info("group.subgroup_made", name=group_name, ranks=ranks,
-                                              backend=backend, local=self.local)
         return sub
 
     def _store_key(self, ranks: list[int]) -> str:
@@ -222,14 +229,10 @@ class TorchPassGroup(dist.ProcessGroup):
         """On a joining (local) rank: a subgroup the replaced rank's script made after register(),
         which this one's makes later, if at all. It is re-formed from now on (its other members
         wait for this rank there), and the script's own new_group of it gets it back."""
-        me = self.rank()
-        timeout = self.timeout if self.max_timeout is None else min(self.timeout, self.max_timeout)
-        sub = TorchPassGroup(check_backend(backend, "new_group", me), None, ranks.index(me), len(ranks), timeout,
-                             local=True, name=name, ranks=ranks)
-        sub._key = self._store_key(ranks)
-        self.subgroups.append(sub)
-        self.adopted[name] = sub
-        log.get(rank=me).info("group.subgroup_adopted", name=name, ranks=ranks, backend=backend)
+        if not self.local:
+            raise WorkerError(f"subgroup {name!r} can only be adopted by a joining (local) rank", rank=self.rank())
+        self.adopted[name] = self._subgroup(name, ranks, check_backend(backend, "new_group", self.rank()), None)
+        log.get(rank=self.rank()).info("group.subgroup_adopted", name=name, ranks=ranks, backend=backend)
 
     @property
     def local(self) -> bool:

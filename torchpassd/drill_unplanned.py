@@ -67,7 +67,8 @@ class Fault:
             raise MigrationError(f"unknown fault {kind!r}", hint=f"use one of {', '.join(FAULTS)}")
         self.drill, self.kind = drill, kind
         self.inst = _devcluster()
-        if self.inst is not None and _config(drill).get("ClusterName") != self.inst.cluster_name:
+        self.slurm_config = _config(drill)  # which cluster, and where its slurmds keep their pids
+        if self.inst is not None and self.slurm_config.get("ClusterName") != self.inst.cluster_name:
             self.inst = None  # a dev cluster runs here, but the drill's slurmctld is another cluster's
         if kind == "cut" and self.inst is None:
             raise MigrationError("the network-cut drill needs the dev cluster",
@@ -88,7 +89,7 @@ class Fault:
             return at
         # A real cluster: a step on the node SIGKILLs, by pid, the job's workers, their launchpad,
         # its slurmstepd and the node's slurmd (from its pid file), and nothing else there.
-        pidfile = _config(self.drill).get("SlurmdPidFile", "/run/slurmd.pid").replace("%n", node).replace("%h", node)
+        pidfile = self.slurm_config.get("SlurmdPidFile", "/run/slurmd.pid").replace("%n", node).replace("%h", node)
         script = kill_script(pids, pidfile)
         at = time.time()
         subprocess.run(["srun", f"--jobid={self.drill.report.job_id}", "-w", node, "-N1", "-n1", "--overlap",
