@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from slurm_plugin import hostlist
 from slurm_plugin.backends.commands import parse_oneliner
@@ -30,14 +31,28 @@ SETTLE_TIMEOUT = 10.0  # seconds for slurmctld to show a resize it has acknowled
 REJOIN_GUARD_S = 2.0
 
 
+class GrantLog(Protocol):
+    """Where a grant of the spare reservation to a job's user is recorded while it lasts
+    (torchpassd's journal): a crash between letting the user in and out is undone at the next
+    start (JobResizer.reconcile_grants) instead of leaving the user in the reservation."""
+
+    def grant_opened(self, reservation: str, user: str, job_id: str) -> None: ...
+
+    def grant_closed(self, reservation: str, user: str, job_id: str) -> None: ...
+
+    def open_grants(self) -> list[tuple[str, str, str]]: ...
+
+
 class JobResizer:
-    """Resizes jobs of one cluster. ``runner`` runs the commands, ``client`` reads the result."""
+    """Resizes jobs of one cluster. ``runner`` runs the commands, ``client`` reads the result,
+    ``grants`` (if given) records each reservation grant while it lasts."""
 
     def __init__(self, runner: SlurmRunner, client: SlurmClient, *,
-                 spare_reservation: str = "torchpass_spares") -> None:
+                 spare_reservation: str = "torchpass_spares", grants: GrantLog | None = None) -> None:
         self.runner = runner
         self.client = client
         self.spare_reservation = spare_reservation
+        self.grants = grants
         self._released: dict[tuple[int, str], float] = {}  # (job, node) -> when it left the job (monotonic)
 
     def _job(self, job_id: int) -> Job:
@@ -106,15 +121,52 @@ class JobResizer:
         if user == "root" or user in resv.users or not resv.users:
             yield
             return
-        update = ["scontrol", "update", f"reservationname={self.spare_reservation}"]
-        self.runner.run([*update, f"Users+={user}"], **where)
+        job = str(where["job"])
+        if self.grants is not None:
+            self.grants.grant_opened(self.spare_reservation, user, job)
+        self.runner.run([*self._reservation_update(), f"Users+={user}"], **where)
         try:
             yield
         finally:
+            self._revoke(user, job)
+
+    def _reservation_update(self) -> list[str]:
+        return ["scontrol", "update", f"reservationname={self.spare_reservation}"]
+
+    def _revoke(self, user: str, job: str) -> None:
+        """Take ``user`` out of the spare reservation (granted for job ``job``) and close the
+        grant; a failure is logged and the grant left open for the next reconcile."""
+        try:
+            self.runner.run([*self._reservation_update(), f"Users-={user}"], job=job)
+        except SlurmError as exc:
+            log.get(job=job).warning("slurm.reservation_revoke_failed", user=user, error=str(exc))
+            return
+        if self.grants is not None:
+            self.grants.grant_closed(self.spare_reservation, user, job)
+
+    def reconcile_grants(self) -> list[tuple[str, str]]:
+        """Undo grants a previous run left open (it stopped between letting a job's user into the
+        spare reservation and out): cancel the job's helper allocation, if any, and take the user
+        out if Slurm still lists them. Returns the (user, job) pairs undone."""
+        if self.grants is None:
+            return []
+        undone = []
+        for reservation, user, job in self.grants.open_grants():
+            if reservation != self.spare_reservation:
+                continue
+            self._cancel_helpers(f"torchpass-expand-{job}", user)
             try:
-                self.runner.run([*update, f"Users-={user}"], **where)
-            except SlurmError as exc:
-                log.get(**where).warning("slurm.reservation_revoke_failed", user=user, error=str(exc))
+                resv = self.client.reservations().get(reservation)
+            except SlurmError as exc:  # kept open: the next start tries again
+                log.get(job=job).warning("slurm.stale_grant_unknown", user=user, error=str(exc))
+                continue
+            if resv is not None and user in resv.users:
+                self._revoke(user, job)
+            else:
+                self.grants.grant_closed(reservation, user, job)
+            log.get(job=job).warning("slurm.stale_grant_undone", user=user, reservation=reservation)
+            undone.append((user, job))
+        return undone
 
     def _cancel_helpers(self, name: str, user: str) -> None:
         try:

@@ -33,7 +33,7 @@ from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
-from torchpassd.failure_detect import FailureDetector
+from torchpassd.failure_detect import Death, FailureDetector
 from torchpassd.health_watch import HealthWatch
 from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
@@ -100,6 +100,28 @@ class Orchestrator:
             await task
         self.log.warning("migration.job_ended", job=job, migration=mig.id, phase=mig.last_phase, state=state)
         await mig.job_ended(state)
+
+    def yield_to_recovery(self, death: Death) -> None:
+        """``death.node`` died while a planned migration of its job runs off another node: before
+        the hand-over the migration rolls back at once (without waiting for the dead node's
+        answers), so the unplanned recovery can start; the drain stays pending and is tried again
+        after it. After the hand-over the migration finishes or fails on its own."""
+        task, mig = self.active.get(death.job), self.current.get(death.job)
+        if (task is None or task.done() or not isinstance(mig, planned.PlannedMigration)
+                or mig.plan.source == death.node or not mig.before_hand_over()
+                or (isinstance(mig, transparent.TransparentMigration) and mig.plan.paused_step >= 0)):
+            return
+        self._spawn(death.job, self._preempt(task, mig, death.node))
+
+    async def _preempt(self, task: asyncio.Task[None], mig: planned.PlannedMigration, dead: str) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        p = mig.plan
+        p.survivors = [n for n in p.survivors if n != dead]
+        self.log.warning("migration.preempted", job=p.job, migration=mig.id, dead=dead, phase=mig.last_phase)
+        await mig.roll_back(f"{dead} died during the migration off {p.source}, before the hand-over: the job "
+                            f"recovers from that first, then the move off {p.source} is tried again")
 
     def request(self, job: str, node: str, reason: str) -> None:
         """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""
@@ -176,7 +198,8 @@ class Orchestrator:
         self.active[job] = task
 
         def done(t: asyncio.Task[None]) -> None:
-            self.active.pop(job, None)
+            if self.active.get(job) is t:  # not a task that took over from it (_preempt)
+                self.active.pop(job)
             if not t.cancelled() and t.exception() is not None:
                 self.log.error("migration.crashed", job=job, error=repr(t.exception()))
             asyncio.get_running_loop().call_later(0.1, self.kick)
@@ -204,12 +227,6 @@ class Orchestrator:
         else:
             self.retry_at[(p.job, p.source)] = time.time() + RETRY_AFTER_S
             asyncio.get_running_loop().call_later(RETRY_AFTER_S + 0.1, self.kick)
-        if p.gen_after:  # the job now runs in a later generation (with the joiner, or re-formed back)
-            view = self.d.registry.job(p.job)
-            nodes = [n for n in (*view.nodes, p.target) if n != p.source] if status == jn.SUCCEEDED else view.nodes
-            await asyncio.to_thread(self.d.journal.upsert_job, p.job, user=view.user, mode=view.mode,
-                                    state="RUNNING", gen=p.gen_after, nodes=list(nodes),
-                                    detail={"batch_host": view.batch_host})
 
     def _spares_exhausted(self, job: str, node: str, failure: SpareFailed) -> bool:
         """Count ``failure``'s spare against this incident; True (and the incident given up, said
@@ -352,7 +369,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
     journal = jn.Journal(state_dir / "journal.sqlite")
     slurm = slurm or await asyncio.to_thread(open_client, cfg.slurm)
     runner = runner or runner_for(cfg.slurm)
-    resizer = JobResizer(runner, slurm, spare_reservation=cfg.slurm.spare_reservation)
+    resizer = JobResizer(runner, slurm, spare_reservation=cfg.slurm.spare_reservation, grants=journal)
     watcher = Watcher(slurm, interval=cfg.slurm.poll_interval, spare_reservation=cfg.slurm.spare_reservation)
     metrics, registry = Metrics(), Registry()
     stop = asyncio.Event()
@@ -388,6 +405,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
                 MetricsServer(metrics, port=cfg.orchestrator.metrics_port) as metrics_server, \
                 (accounts or contextlib.nullcontext()):
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
+            await asyncio.to_thread(resizer.reconcile_grants)  # before anything may grant again
             await orch.recover()
             tasks += [asyncio.create_task(_watch(watcher, orch, health, accounts)),
                       asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]

@@ -20,10 +20,17 @@ from typing import Any, Self
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RUNNING, SUCCEEDED, FAILED, ROLLED_BACK = "running", "succeeded", "failed", "rolled_back"
 STATUSES = frozenset({RUNNING, SUCCEEDED, FAILED, ROLLED_BACK})
 TERMINAL = frozenset({SUCCEEDED, FAILED, ROLLED_BACK})
+
+# Schema version -> what turns the version before it into it (a new journal runs them all).
+_UPGRADES = {
+    2: """CREATE TABLE grants (
+    reservation TEXT NOT NULL, user TEXT NOT NULL, job_id TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (reservation, user, job_id));""",
+}
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -48,11 +55,19 @@ CREATE TABLE events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, event TEXT NOT NULL,
     job_id TEXT, migration_id TEXT, detail TEXT NOT NULL);
 CREATE INDEX events_by_job ON events(job_id, seq);
-"""
+""" + "".join(f"{step}\n" for step in _UPGRADES.values())
 
 
 class JournalError(TorchPassError):
     """The journal could not be opened, read or written, or was asked something inconsistent."""
+
+
+@dataclass(frozen=True)
+class JobAfter:
+    """A job's generation and nodes as a migration's last phase leaves them."""
+
+    gen: int
+    nodes: list[str]
 
 
 @dataclass(frozen=True)
@@ -159,13 +174,16 @@ class Journal:
         if version > SCHEMA_VERSION:
             raise JournalError(f"journal {self.path} has schema version {version}, this torchpassd knows "
                                f"{SCHEMA_VERSION}", hint="run the newer torchpassd that wrote it, or move the file away")
-        if version == 0:
-            try:  # one script, one transaction: a crash mid-creation leaves an empty file, not half a schema
-                self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
-            except sqlite3.Error as exc:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise JournalError(f"cannot create the journal schema in {self.path}: {exc}") from exc
+        if version == SCHEMA_VERSION:
+            return
+        script = _SCHEMA if version == 0 else "".join(_UPGRADES[v] for v in range(version + 1, SCHEMA_VERSION + 1))
+        try:  # one script, one transaction: a crash mid-way leaves the journal as it was, not half a schema
+            self._db.executescript(f"BEGIN IMMEDIATE; {script} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+        except sqlite3.Error as exc:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise JournalError(f"cannot bring the journal schema in {self.path} to version {SCHEMA_VERSION}: "
+                               f"{exc}") from exc
 
     def close(self) -> None:
         with self._lock:
@@ -241,6 +259,23 @@ class Journal:
                 else self._query("SELECT * FROM nodes ORDER BY name"))
         return [NodeRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in rows]
 
+    # ------------------------------------------------------------ reservation grants
+
+    def grant_opened(self, reservation: str, user: str, job_id: str) -> None:
+        """``user`` is about to be let into spare reservation ``reservation`` for job ``job_id``
+        (written before Slurm is asked, so a crash leaves a grant to revoke, never an unknown one)."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO grants VALUES (?,?,?,?)", (reservation, user, job_id, time.time()))
+
+    def grant_closed(self, reservation: str, user: str, job_id: str) -> None:
+        """The grant was revoked in Slurm."""
+        with self._tx() as db:
+            db.execute("DELETE FROM grants WHERE reservation=? AND user=? AND job_id=?", (reservation, user, job_id))
+
+    def open_grants(self) -> list[tuple[str, str, str]]:
+        """Grants not (known to be) revoked: (reservation, user, job id), oldest first."""
+        return [tuple(r) for r in self._query("SELECT reservation, user, job_id FROM grants ORDER BY at")]
+
     # ------------------------------------------------------------ migrations
 
     def start_migration(self, job_id: str, *, mode: str, source: str, reason: str, gen: int,
@@ -262,9 +297,11 @@ class Journal:
 
     def record_transition(self, migration: str, phase: str, status: str,
                           detail: dict[str, Any] | None = None, *, target: str | None = None,
-                          error: str | None = None) -> PhaseRecord:
+                          error: str | None = None, job_after: JobAfter | None = None) -> PhaseRecord:
         """The migration entered ``phase``; ``status`` is running, or a terminal outcome
-        (succeeded, failed, rolled_back) which closes it. ``target`` records the chosen spare."""
+        (succeeded, failed, rolled_back) which closes it. ``target`` records the chosen spare;
+        ``job_after``, the job's generation and nodes from then on, written in the same transaction
+        (a crash never leaves a finished migration with the job in its old generation)."""
         if status not in STATUSES:
             raise JournalError(f"unknown migration status {status!r}", migration=migration,
                                hint=f"use one of {sorted(STATUSES)}")
@@ -283,6 +320,9 @@ class Journal:
             db.execute("UPDATE migrations SET phase=?, status=?, target=COALESCE(?, target), "
                        "error=COALESCE(?, error), ended=? WHERE id=?",
                        (phase, status, target, error, now if status in TERMINAL else None, migration))
+            if job_after is not None:
+                db.execute("UPDATE jobs SET gen=?, nodes=?, updated=? WHERE job_id=?",
+                           (job_after.gen, json.dumps(job_after.nodes), now, row[1]))
         return PhaseRecord(phase, status, detail or {}, now, seconds)
 
     def _migrations(self, where: str, args: tuple[Any, ...]) -> list[MigrationRecord]:

@@ -161,7 +161,8 @@ class Flow:
         self.log = log.get(job=plan.job, node=plan.source, migration=migration, gen=plan.gen)
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
         self.last_phase = REQUESTED
-        self.spare_failure: SpareFailed | None = None  # the spare could not take the ranks (drained)
+        self.spare_failure: SpareFailed | None = None  # the last spare that could not take the ranks
+        self.failed_spares: dict[str, SpareFailed] = {}  # every such spare: drained when let go
 
     # ---- bookkeeping -----------------------------------------------------------------------
     async def phase(self, name: str, status: str = jn.RUNNING, error: str | None = None,
@@ -169,7 +170,7 @@ class Flow:
         self.last_phase = name
         rec = await asyncio.to_thread(self.d.journal.record_transition, self.id, name, status,
                                       {"plan": asdict(self.plan), **detail},
-                                      target=self.plan.target or None, error=error)
+                                      target=self.plan.target or None, error=error, job_after=self._job_after(status))
         self.log.info("migration.phase", phase=name, status=status, seconds=round(rec.seconds, 3),
                       **({"error": error} if error else {}))
         await self.d.publish_event(self.plan.job, "migration.phase", {
@@ -178,6 +179,19 @@ class Flow:
 
     def view(self) -> JobView:
         return self.d.registry.job(self.plan.job)
+
+    def _job_after(self, status: str) -> jn.JobAfter | None:
+        """The job's generation and nodes once this migration ends with ``status``; None while it
+        runs, or when it ends in the generation it started in."""
+        if status not in jn.TERMINAL or not self.plan.gen_after:
+            return None
+        left, joined = self.swapped() if status == jn.SUCCEEDED else ((), ())
+        nodes = [n for n in dict.fromkeys((*self.view().nodes, *joined)) if n not in left]
+        return jn.JobAfter(self.plan.gen_after, nodes)
+
+    def swapped(self) -> tuple[list[str], list[str]]:
+        """The nodes a succeeded migration took out of the job, and those it put in."""
+        return [self.plan.source], [self.plan.target]
 
     async def send(self, node: str, cmd: str, gen: int, args: dict[str, Any] | None = None,
                    timeout: float | None = None) -> dict[str, Any]:
@@ -188,6 +202,8 @@ class Flow:
         """Note whether ``exc`` was the spare's failure (roll_back then drains the spare) and
         return the rollback's reason."""
         self.spare_failure = exc if isinstance(exc, SpareFailed) else None
+        if self.spare_failure is not None:
+            self.failed_spares[self.spare_failure.spare] = self.spare_failure
         return str(exc)
 
     def before_hand_over(self) -> bool:
@@ -332,8 +348,8 @@ class Flow:
             await asyncio.to_thread(self.d.resizer.release_node, int(p.job), target)
         except TorchPassError as exc:
             problems.append(f"releasing {target}: {exc}")
-        if self.spare_failure is not None and self.spare_failure.spare == target:
-            reason = f"torchpass: joiner failed: {self.spare_failure.message}"[:200]
+        if (failure := self.failed_spares.get(target)) is not None:
+            reason = f"torchpass: joiner failed: {failure.message}"[:200]
             try:  # not back into the pool: the next migration would fail on it the same way
                 await asyncio.to_thread(node_admin.drain, self.d.resizer.runner, target, reason)
             except TorchPassError as exc:

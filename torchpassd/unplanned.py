@@ -17,7 +17,7 @@ from typing import Any
 
 from slurm_plugin import events as ev
 from torchpass_common import log
-from torchpass_common.errors import MigrationError, TorchPassError
+from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
 from torchpassd import journal as jn
 from torchpassd import planned
 from torchpassd.failure_detect import INTERRUPTED, Death, FailureDetector
@@ -121,6 +121,9 @@ class UnplannedRecovery(Flow):
         self._slurm = asyncio.Lock()  # one job resize at a time
         self.failure: str | None = None
 
+    def swapped(self) -> tuple[list[str], list[str]]:
+        return self.plan.dead, self.plan.targets
+
     # ---- inputs ------------------------------------------------------------------------------
     def another_death(self, death: Death) -> None:
         """A second node of the job died while this recovery runs: taken in if the survivors'
@@ -185,6 +188,33 @@ class UnplannedRecovery(Flow):
         seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks)}
         p.seats.append(seat)
         p.survivors = survivors
+        donor = survivors[0]
+        tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone
+        self._adopt_template(tpl)
+        if tpl.env["MASTER_ADDR"] in p.dead:
+            raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
+                                 hint="restart the job from its last checkpoint", **self.where)
+        limit = self.d.cfg.orchestrator.spares_per_incident
+        for attempt in range(1, limit + 1):
+            await self._seat_on_a_spare(seat, death)
+            try:  # torchrun numbers a node's ranks node_rank * nproc + local_rank: the dead node's place
+                await self._start_joiner(tpl, seat["ranks"], seat["target"], seat["target_addr"],
+                                         group_rank=seat["ranks"][0] // len(seat["ranks"]))
+            except SpareFailed as exc:
+                if attempt == limit:
+                    tried = [*(s for s in self.failed_spares if s != exc.spare), exc.spare]
+                    raise SpareFailed(f"no spare could take the ranks of {death.node} (tried {', '.join(tried)}); "
+                                      f"the last: {exc.message}", spare=exc.spare,
+                                      hint="fix the spares (drained with the reason) or restart the job from "
+                                           "its last checkpoint", **self.where) from exc
+                await self._replace_failed_spare(seat, exc)
+                continue
+            await self.phase(JOINER_READY, spare=seat["target"])
+            return
+
+    async def _seat_on_a_spare(self, seat: dict[str, Any], death: Death) -> None:
+        """Take a spare for ``seat`` and grow the job by it."""
+        p = self.plan
         async with self._slurm:
             seat["target"], seat["target_addr"] = await self._take_spare()
             if not p.target:
@@ -193,16 +223,21 @@ class UnplannedRecovery(Flow):
             await self.phase(SPARE_CHOSEN, dead=death.node, ranks=seat["ranks"], spare=seat["target"])
             await self._add_spare_to_job(seat["target"])
             await self.phase(SPARE_ADDED, spare=seat["target"])
-        donor = survivors[0]
-        tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone
-        self._adopt_template(tpl)
-        if tpl.env["MASTER_ADDR"] in p.dead:
-            raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
-                                 hint="restart the job from its last checkpoint", **self.where)
-        # torchrun numbers a node's ranks node_rank * nproc + local_rank: the dead node's place
-        await self._start_joiner(tpl, seat["ranks"], seat["target"], seat["target_addr"],
-                                 group_rank=seat["ranks"][0] // len(seat["ranks"]))
-        await self.phase(JOINER_READY, spare=seat["target"])
+
+    async def _replace_failed_spare(self, seat: dict[str, Any], exc: SpareFailed) -> None:
+        """``seat``'s spare could not start its joiners: drain it with the reason, out of the job,
+        and clear the seat for the next spare (within orchestrator.spares_per_incident)."""
+        p = self.plan
+        self.failed_before_hand_over(exc)
+        self.log.warning("unplanned.spare_failed", spare=exc.spare, error=exc.message)
+        failed = seat.pop("target")
+        seat.pop("target_addr", None)
+        problems = await self._drop_target(failed)
+        if p.target == failed:
+            p.target = p.target_addr = ""
+        await asyncio.to_thread(self.d.journal.add_event, "migration.spare_failed", job_id=p.job,
+                                migration_id=self.id, detail={"spare": failed, "error": exc.message,
+                                                              "problems": problems})
 
     async def _seat_all(self, deaths: list[Death]) -> None:
         """Seat every dead node's rank with the joiners starting side by side; a node that dies
@@ -480,6 +515,7 @@ class Driver:
             return
         self.dead.setdefault(death.job, {})[death.node] = death
         self.o.pending.pop((death.job, death.node), None)  # a drain of it, if any, is moot now
+        self.o.yield_to_recovery(death)
         self.o.kick()
 
     def describe(self) -> list[dict[str, Any]]:
@@ -557,15 +593,10 @@ class Driver:
         if status == jn.ROLLED_BACK:  # its ranks were alive: judge it again only on harder evidence
             for node in p.dead:
                 self.detector.undecide(job, node, proven_alive=True)
-        elif status == jn.SUCCEEDED:
-            view = self.d.registry.job(job)
-            nodes = [n for n in (*view.nodes, *p.targets) if n not in p.dead]
-            await asyncio.to_thread(self.d.journal.upsert_job, job, user=view.user, mode=view.mode, state="RUNNING",
-                                    gen=p.gen_after, nodes=nodes, detail={"batch_host": view.batch_host})
-        elif not p.recover_sent and "restarted" in (flow.failure or ""):
+        elif status == jn.FAILED and not p.recover_sent and "restarted" in (flow.failure or ""):
             for node in p.dead:
                 self.detector.undecide(job, node)  # judged again from the evidence
-        else:
+        elif status == jn.FAILED:
             self.given_up.add(job)
 
     async def resume(self, rec: jn.MigrationRecord) -> None:

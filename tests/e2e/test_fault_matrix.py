@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, wait_until
+from tests.e2e.conftest import Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.e2e.test_planned_migration import STEPS, restart_broker
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
@@ -157,3 +157,30 @@ def test_migration_cut_of_the_target(torchpassd: Daemon, devcluster: DevCluster,
         cell["detail"] = (f"n5 cut: rolled back ({first['error'][-50:]}); healed, retry {final['status']}; "
                           "bit-identical")[:150]
 
+
+
+def test_migration_kill_a_survivor_node(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                        workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
+    """n3 drained, and n2 dies while its ranks are moved: the planned migration gives way at once
+    (rolled back, the spare freed), the unplanned recovery rebuilds n2's rank on that spare, and
+    the drain waits for another spare while the job trains on to the end, bit-identical."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=IDLE_STEP_SLEEP)
+    job.wait_running(torchpassd)
+    devcluster.drain("n3", "planned maintenance")
+    torchpassd.wait_phase(job.job, ("spare_chosen", "spare_added", "joiner_ready"))
+    with fault_matrix.case("a survivor killed", "planned migration") as cell:
+        offset = job.log.stat().st_size
+        devcluster.kill_node("n2")
+        planned_first = torchpassd.wait_migration(job.job, "n3", timeout=120)
+        assert planned_first["status"] == "rolled_back", planned_first
+        assert planned_first["error"].startswith("n2 died during the migration off n3, before the hand-over"), \
+            planned_first
+        rec = torchpassd.wait_migration(job.job, "n2", timeout=180)
+        assert rec["status"] == "succeeded" and rec["mode"] == "unplanned-aware" and rec["target"] == "n5", rec
+        resumed = next(p for p in rec["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+        job.wait_done(timeout=240)
+        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+        assert_recovered_bit_identical(job, reference(STEPS), 1, resumed, offset)
+        cell["outcome"] = OK
+        cell["detail"] = (f"planned off n3 rolled back at once; n2's rank rebuilt on n5 at step {resumed}; "
+                          "drain waits for a spare; COMPLETED, bit-identical")[:150]

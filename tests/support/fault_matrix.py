@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-FAULTS = ("kill -9 torchpassd", "kill -9 broker", "kill -9 one launchpad", "network cut of one node")
+FAULTS = ("kill -9 torchpassd", "kill -9 broker", "kill -9 one launchpad", "network cut of one node",
+          "a survivor killed")
 DURING = ("idle training", "planned migration")
 OK = "job running, nothing lost"
 

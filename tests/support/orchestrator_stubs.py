@@ -42,12 +42,15 @@ class Slurm:
 
 
 class Launchpads:
-    """The commander: every command succeeds; notices to the job's output are kept."""
+    """The commander: every command succeeds; commands (node, name) and notices to the job's
+    output are kept."""
 
     def __init__(self) -> None:
         self.notices: list[str] = []
+        self.sent: list[tuple[str, str]] = []
 
     async def send(self, job: str, node: str, cmd: str, **kw: Any) -> dict[str, Any]:
+        self.sent.append((node, cmd))
         if cmd == "notice":
             self.notices.append(kw["args"]["text"])
         return {}

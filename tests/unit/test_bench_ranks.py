@@ -13,7 +13,16 @@ def test_ratios_are_against_the_one_rank_pause_of_the_same_run() -> None:
     assert (res["ratio_2"], res["ratio_4"]) == (1.2, 1.55)
     assert res["pause_s_4"] == 3.1 and res["bytes_4"] == 40
     table = markdown(res)
-    assert "| 1 | 2.0 | 10 | 1 (baseline) |" in table and "| 4 | 3.1 | 40 | 1.55 |" in table
+    assert "| 1 | 2.0 | 10 | 1 (baseline) | - | - |" in table and "| 4 | 3.1 | 40 | 1.55 | None | None |" in table
+
+
+def test_n_ranks_are_also_compared_with_one_rank_carrying_their_bytes() -> None:
+    raw = {"state_mib": 256, "nodes": 2, "cpus": 2, "runs": {"1": {"pause_s": 0.4}, "4": {"pause_s": 1.0}},
+           "same_bytes": {"4": {"pause_s": 1.25}}}
+    res = summarise(raw)
+    assert (res["ratio_4"], res["pause_s_one_rank_x4"], res["ratio_same_bytes_4"]) == (2.5, 1.25, 0.8)
+    table = markdown(res)
+    assert "2 CPUs" in table and "| 4 | 1.0 | None | 2.5 | 1.25 | 0.8 |" in table
 
 
 def test_an_unmeasured_run_has_no_ratio_and_says_why() -> None:

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from torchpassd.journal import FAILED, ROLLED_BACK, RUNNING, SUCCEEDED, Journal, JournalError
+from torchpassd.journal import (
+    _SCHEMA,
+    FAILED,
+    ROLLED_BACK,
+    RUNNING,
+    SUCCEEDED,
+    JobAfter,
+    Journal,
+    JournalError,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +50,31 @@ def test_a_migration_is_recorded_phase_by_phase_with_timings(journal: Journal) -
     assert m.phases[2].seconds >= 0.02  # time spent in spare_chosen before the pause
     assert m.seconds == pytest.approx(sum(p.seconds for p in m.phases))
     assert journal.in_flight() == []
+
+
+def test_the_last_phase_and_the_jobs_new_generation_are_one_transaction(journal: Journal) -> None:
+    mid = journal.start_migration("100", mode="planned-aware", source="n2", reason="drain", gen=1)
+    journal.record_transition(mid, "released", SUCCEEDED, target="n5", job_after=JobAfter(2, ["n1", "n5"]))
+    (job,) = journal.jobs()
+    assert (job.gen, job.nodes) == (2, ["n1", "n5"])
+    mid = journal.start_migration("100", mode="planned-aware", source="n1", reason="drain", gen=2)
+    journal.record_transition(mid, "rolled_back", ROLLED_BACK)
+    with pytest.raises(JournalError):  # refused as a whole: the job keeps generation 2
+        journal.record_transition(mid, "released", SUCCEEDED, job_after=JobAfter(3, ["n5", "n6"]))
+    assert (journal.jobs()[0].gen, journal.jobs()[0].nodes) == (2, ["n1", "n5"])
+
+
+def test_a_version_1_journal_is_brought_to_the_current_schema_with_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executescript(f"{_SCHEMA.split('CREATE TABLE grants')[0]} PRAGMA user_version=1;")
+    db.execute("INSERT INTO jobs VALUES ('5','u','aware','RUNNING',3,'[\"n1\"]','{}',0,0,NULL)")
+    db.close()
+    with Journal(path) as journal:
+        assert [(j.job_id, j.gen) for j in journal.jobs()] == [("5", 3)]
+        journal.grant_opened("torchpass_spares", "u", "5")
+        assert journal.open_grants() == [("torchpass_spares", "u", "5")]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
 
 
 def test_an_ended_migration_refuses_further_transitions(journal: Journal) -> None:

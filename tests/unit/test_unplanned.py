@@ -76,7 +76,7 @@ class FakeSlurm:
         self.settled_nodes: list[str] = []
         self.client = self
         self.listeners: list[socket.socket] = []
-        self.joiner_rc: int | None = None  # set: every joiner step ends at once with it
+        self.joiner_rc: dict[str, int] = {}  # node -> a joiner step there ends at once with that code
         self.runner = self
         self.commands: list[list[str]] = []
 
@@ -119,8 +119,8 @@ class FakeSlurm:
         if argv[0] == "sh":
             return FakeProc(PROC_TEXT)
         assert "token" not in " ".join(argv)  # the wormhole token travels in the environment only
-        if self.joiner_rc is not None:
-            return FakeProc(ended=self.joiner_rc)
+        if node in self.joiner_rc:
+            return FakeProc(ended=self.joiner_rc[node])
         if not self.listeners:
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -385,18 +385,43 @@ def test_no_spare_with_fail_policy_fails_clearly_and_survivors_exit(tmp_path: Pa
     w.close()
 
 
-def test_a_spare_whose_joiner_cannot_start_is_named_and_drained_not_reused(tmp_path: Path) -> None:
+def test_a_spare_whose_joiner_cannot_start_is_drained_and_the_next_spare_takes_the_ranks(tmp_path: Path) -> None:
     w = World(tmp_path, ["n5", "n6"])
-    w.slurm.joiner_rc = ac.EXIT_NO_WORKDIR
+    w.slurm.joiner_rc = {"n5": ac.EXIT_NO_WORKDIR}
+
+    async def go() -> str:
+        await w.setup()
+        interrupt = asyncio.create_task(w.interrupt(0.3))
+        status = await w.recovery().run([_death("n3", 2)])
+        await interrupt
+        return status
+    status = asyncio.run(go())
+    mig = w.journal.history()[0]
+    assert status == jn.SUCCEEDED, mig.error
+    assert mig.target == "n6"
+    assert [c[2:4] for c in w.slurm.commands] == [["nodename=n5", "state=drain"]]
+    assert "joiner failed: the job's working directory /home/u/run does not exist on n5" in w.slurm.commands[0][4]
+    assert w.slurm.added == ["n5", "n6"] and w.slurm.released == ["n5"]  # n5 out of the job again
+    assert "n5" in w.slurm.free  # back to the pool's bookkeeping, but drained in Slurm: not taken again
+    assert {n for n, c, _, _ in w.commander.sent if c == "resume"} == {"n1", "n2", "n4", "n6"}
+    (failed,) = [e for e in w.journal.events(job_id="7") if e.event == "migration.spare_failed"]
+    assert failed.detail["spare"] == "n5" and "does not exist on n5" in failed.detail["error"]
+    w.close()
+
+
+def test_when_every_spare_of_the_incident_fails_the_recovery_names_them_and_drains_each(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5", "n6", "n2b"])
+    w.slurm.joiner_rc = {"n5": ac.EXIT_NO_WORKDIR, "n6": ac.EXIT_NO_WORKDIR}
 
     async def go() -> str:
         await w.setup()
         return await w.recovery().run([_death("n3", 2)])
     assert asyncio.run(go()) == jn.FAILED
     mig = w.journal.history()[0]
-    assert "does not exist on n5: no joiner can start there" in (mig.error or ""), mig.error
-    assert [c[2:4] for c in w.slurm.commands] == [["nodename=n5", "state=drain"]]
-    assert w.slurm.released == ["n5"]
+    assert "no spare could take the ranks of n3 (tried n5, n6)" in (mig.error or ""), mig.error
+    assert "does not exist on n6: no joiner can start there" in mig.error
+    assert [c[2:4] for c in w.slurm.commands] == [["nodename=n5", "state=drain"], ["nodename=n6", "state=drain"]]
+    assert w.slurm.released == ["n5", "n6"]  # a third spare is not tried: spares_per_incident = 2
     w.close()
 
 
@@ -460,9 +485,13 @@ class FakeOrch:
         self.d, self.active, self.current, self.pending = deps, {}, {}, {("7", "n3"): (0.0, "drain")}
         self.watcher = type("W", (), {"last": object()})()
         self.spawned: list[str] = []
+        self.preempted: list[str] = []
 
     def kick(self) -> None:
         self.unplanned.kick()
+
+    def yield_to_recovery(self, death: Death) -> None:
+        self.preempted.append(death.node)
 
     def _spawn(self, job: str, coro: Any) -> None:
         coro.close()
@@ -480,6 +509,7 @@ def test_driver_waits_for_a_spare_and_says_why(tmp_path: Path) -> None:
         orch.unplanned = Driver(orch, lambda: True)
         orch.unplanned.on_death(_death("n3", 2))
         assert orch.spawned == [] and ("7", "n3") not in orch.pending  # the drain is moot now
+        assert orch.preempted == ["n3"]  # a planned migration of the job, if any, gives way
         assert orch.unplanned.waits("7")
         [dead] = orch.unplanned.describe()
         assert dead["node"] == "n3" and "no spare free" in dead["waiting"] and "survivors stay parked" in dead["waiting"]
