@@ -170,6 +170,10 @@ class Orchestrator:
         lp = view.launchpads.get(node)
         if lp is None or not lp.online or not lp.workers:
             return f"waiting for the launchpad on {node} to report its ranks", False
+        starting = sorted(n for n, other in view.launchpads.items()
+                          if other.online and any(w.get("state") == "starting" for w in other.workers))
+        if starting:  # a worker not yet on its agent channel cannot be paused
+            return f"waiting for the workers on {', '.join(starting)} to start", False
         if self.watcher.last is None:
             return "waiting for the first Slurm poll", False
         spares = self.d.pool.list(self.watcher.last)

@@ -180,6 +180,11 @@ class Flow:
     def view(self) -> JobView:
         return self.d.registry.job(self.plan.job)
 
+    def _others_training(self) -> list[str]:
+        """The nodes, besides the leaving one and the spare, whose launchpad reports workers."""
+        return sorted(n for n, lp in self.view().launchpads.items()
+                      if lp.online and lp.workers and n not in (self.plan.source, self.plan.target))
+
     def _job_after(self, status: str) -> jn.JobAfter | None:
         """The job's generation and nodes once this migration ends with ``status``; None while it
         runs, or when it ends in the generation it started in."""
@@ -382,8 +387,7 @@ class PlannedMigration(Flow):
         if not p.ranks:
             raise MigrationError(f"{p.source} runs no rank of the job", hint="nothing to move", **self.where)
         p.rank = p.ranks[0]
-        p.survivors = sorted(n for n, lp in view.launchpads.items()
-                             if lp.online and lp.workers and n != p.source)
+        p.survivors = self._others_training()
         p.target, p.target_addr = await self._take_spare()
         p.port = WORMHOLE_PORT_BASE + p.new_gen
         await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
@@ -405,6 +409,7 @@ class PlannedMigration(Flow):
 
     async def _pause(self) -> None:
         p = self.plan
+        p.survivors = self._others_training()  # a launchpad may have reported since _prepare (a young job)
         p.at_step = self._pause_step()
         nodes = [*p.survivors, p.source]
         acks = await asyncio.gather(*(self.send(n, "pause", p.gen, {"at_step": p.at_step, "gen": p.gen})

@@ -76,8 +76,8 @@ class TransparentMigration(planned.PlannedMigration):
         return jn.ROLLED_BACK
 
     async def _prepare(self) -> None:
-        p, view = self.plan, self.view()
-        p.survivors = sorted(n for n, lp in view.launchpads.items() if lp.online and lp.workers and n != p.source)
+        p = self.plan
+        p.survivors = self._others_training()
         p.target, p.target_addr = await self._take_spare()
         p.port = planned.WORMHOLE_PORT_BASE + p.new_gen
         await self.phase(planned.SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))

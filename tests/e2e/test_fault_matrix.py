@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, sacct_state, wait_until
+from tests.e2e.conftest import Daemon, Training, assert_bit_identical, reference_log, sacct_state, wait_until
 from tests.e2e.test_planned_migration import STEPS, restart_broker
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
-from torchpassd.drill import DrillReport
+from torchpassd.drill import DrillReport, read_log
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.matrix]
@@ -184,3 +184,23 @@ def test_migration_kill_a_survivor_node(torchpassd: Daemon, devcluster: DevClust
         cell["outcome"] = OK
         cell["detail"] = (f"planned off n3 rolled back at once; n2's rank rebuilt on n5 at step {resumed}; "
                           "drain waits for a spare; COMPLETED, bit-identical")[:150]
+
+
+def test_migration_a_second_node_drained(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                         workdir: Path, fault_matrix: FaultMatrix) -> None:
+    """n2 and n3 drained in the same moment, two spares: one migration at a time per job, so n2's
+    ranks move, then n3's; the job ends COMPLETED, bit-identical to an undisturbed 3-rank run."""
+    devcluster.run("scontrol", "update", "reservationname=torchpass_spares", "nodes=n4,n5")  # two spares
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=IDLE_STEP_SLEEP, nodes=3)
+    job.wait_running(torchpassd)
+    with fault_matrix.case("a second node drained", "planned migration") as cell:
+        devcluster.drain("n2", "planned maintenance")
+        devcluster.drain("n3", "planned maintenance")
+        moved = [torchpassd.wait_migration(job.job, n, timeout=180) for n in ("n2", "n3")]
+        assert [m["status"] for m in moved] == ["succeeded", "succeeded"], moved
+        assert sorted(m["target"] for m in moved) == ["n4", "n5"], moved
+        assert_bit_identical(job.wait_done(), read_log(reference_log(workdir, 3, STEPS)))
+        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+        cell["outcome"] = OK
+        cell["detail"] = (f"n2 -> {moved[0]['target']}, then n3 -> {moved[1]['target']} (one migration at a time); "
+                          "COMPLETED, bit-identical")

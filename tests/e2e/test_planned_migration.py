@@ -20,6 +20,7 @@ from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sac
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
+from torchpassd.drill import read_log
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
@@ -210,3 +211,16 @@ def test_broker_restart_mid_migration(torchpassd: Daemon, devcluster: DevCluster
         assert mig["status"] == "succeeded", mig
         assert_bit_identical(job.wait_done(), reference(STEPS))
         cell["outcome"], cell["detail"] = OK, "clients reconnected, idempotent commands redelivered; migration succeeded; bit-identical"
+
+
+@pytest.mark.matrix
+def test_a_drain_before_the_first_step_waits_for_the_ranks_then_moves_them(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
+    devcluster.wait_job_state(job.job, "RUNNING", timeout=60)
+    devcluster.drain("n3", "planned maintenance")
+    assert not (job.log.exists() and read_log(job.log)[0]), "the job had finished a step before the drain"
+    mig = torchpassd.wait_migration(job.job, "n3", timeout=180)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"

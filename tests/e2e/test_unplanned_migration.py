@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, wait_until
+from tests.e2e.conftest import Daemon, Training, reference_log, wait_until
 from tests.support.devcluster import DevCluster
-from torchpassd.drill import EXAMPLE, DrillReport
+from torchpassd.drill import DrillReport
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
@@ -109,15 +109,6 @@ def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, 
     assert rep.resumed_at_step == resumed["resumed_at_step"], rep
 
 
-def _reference(workdir: Path, nodes: int) -> Path:
-    """The example training on ``nodes`` ranks without a failure (launchpad on this machine)."""
-    log = workdir / f"reference-{nodes}.log"
-    log.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(nodes), str(EXAMPLE),
-                    "--steps", str(STEPS), "--log", str(log)], check=True, timeout=600, capture_output=True)
-    return log
-
-
 def test_second_death_during_the_recovery_is_recovered_too(torchpassd: Daemon, devcluster: DevCluster,
                                                            tp_config: Path, workdir: Path) -> None:
     devcluster.run("scontrol", "update", "reservationname=torchpass_spares", "nodes=n4,n5")  # two spares
@@ -133,7 +124,7 @@ def test_second_death_during_the_recovery_is_recovered_too(torchpassd: Daemon, d
     assert [(c["dead"], c["spare"]) for c in chosen] == [("n3", "n4"), ("n2", "n5")], chosen
     failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
     job.wait_done(timeout=180)
-    ref = _reference(workdir, 3)
+    ref = reference_log(workdir, 3, STEPS)
     for rank in (1, 2):
         rep = DrillReport()
         judge(job.log, ref, rank, failed_step, offset, rep)

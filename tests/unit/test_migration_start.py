@@ -1,0 +1,31 @@
+"""When a drain may become a migration: not before the leaving node's launchpad reports its
+ranks, nor while any worker of the job has yet to reach its agent channel (a young job: a worker
+still importing torch cannot be paused, and the pause would roll back)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from tests.support.orchestrator_stubs import JOB, orchestrator
+from torchpass_common import protocol
+
+
+async def _heartbeat(orch, node: str, states: dict[int, str]) -> None:  # noqa: ANN001
+    body = {"node": node, "seq": 2, "workers": [{"rank": r, "step": 0, "state": s, "pid": 99} for r, s in states.items()]}
+    await orch.d.registry.on_message(node, protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
+                                                                           body=body)))
+
+
+def test_a_drain_waits_until_every_worker_of_the_job_is_on_its_channel(tmp_path: Path) -> None:
+    async def main() -> None:
+        orch, journal, _ = await orchestrator(tmp_path)
+        orch.watcher.last = None
+        await _heartbeat(orch, "n1", {0: "starting", 1: "running"})
+        assert orch._blocked(JOB, "n3") == ("waiting for the workers on n1 to start", False)
+        await _heartbeat(orch, "n1", {0: "running", 1: "running"})
+        assert orch._blocked(JOB, "n3") == ("waiting for the first Slurm poll", False)  # the next condition
+        await _heartbeat(orch, "n3", {})
+        assert orch._blocked(JOB, "n3") == ("waiting for the launchpad on n3 to report its ranks", False)
+        journal.close()
+    asyncio.run(main())
