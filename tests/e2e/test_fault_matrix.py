@@ -26,6 +26,7 @@ from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.matrix]
 IDLE_STEP_SLEEP = 0.4  # room for three faults, their repair and checks before the run ends
+BROKER_OUTAGE_S = 60.0  # issue 22: a broker restart of a minute costs a job nothing
 SHORT_CUT_S = 2.5  # a partition shorter than heartbeat loss detection (1 s x 5 in the e2e config)
 
 
@@ -204,3 +205,38 @@ def test_migration_a_second_node_drained(torchpassd: Daemon, devcluster: DevClus
         cell["outcome"] = OK
         cell["detail"] = (f"n2 -> {moved[0]['target']}, then n3 -> {moved[1]['target']} (one migration at a time); "
                           "COMPLETED, bit-identical")
+
+
+def test_idle_broker_stopped_for_a_minute(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                          workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
+    """The broker down for 60 s: the workers train on (the control plane is not on their path),
+    torchpassd and the launchpads reconnect when it is back, nothing is judged dead meanwhile."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=IDLE_STEP_SLEEP)
+    job.wait_running(torchpassd)
+    with fault_matrix.case("broker stopped 60 s", "idle training") as cell:
+        before = len(read_log(job.log)[0])
+        restart_broker(devcluster, down_s=BROKER_OUTAGE_S)
+        assert len(read_log(job.log)[0]) > before + BROKER_OUTAGE_S / IDLE_STEP_SLEEP / 2, "training stalled"
+        wait_training_goes_on(torchpassd, job.job)  # every launchpad reports again
+        assert torchpassd.migrations(job.job) == []
+        assert_bit_identical(job.wait_done(), reference(STEPS))
+        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+        cell["outcome"] = OK
+        cell["detail"] = f"broker down {BROKER_OUTAGE_S:.0f} s: training went on, all reconnected, no migration; bit-identical"
+
+
+def test_migration_broker_stopped_for_a_minute(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                               workdir: Path, reference, fault_matrix: FaultMatrix) -> None:  # noqa: ANN001
+    """The broker goes down for 60 s while n3's ranks are being moved: the migration ends (moved,
+    or rolled back with the reason), no rank is left parked, and the job completes bit-identical."""
+    job = _migration_under_way(torchpassd, devcluster, tp_config, workdir)
+    with fault_matrix.case("broker stopped 60 s", "planned migration") as cell:
+        restart_broker(devcluster, down_s=BROKER_OUTAGE_S)
+        first = torchpassd.wait_migration(job.job, "n3", timeout=240)
+        assert first["status"] in ("succeeded", "rolled_back"), first
+        assert_bit_identical(job.wait_done(timeout=300), reference(STEPS))
+        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+        final = [m for m in torchpassd.migrations(job.job) if m["source"] == "n3"][-1]
+        cell["outcome"] = OK
+        cell["detail"] = (f"first attempt {first['status']} ({(first.get('error') or '')[:50]}); last "
+                          f"{final['status']}; COMPLETED, bit-identical")[:150]

@@ -43,15 +43,17 @@ def repair_killed_spare(devcluster: DevCluster, node: str) -> None:
         devcluster.wait_node_state(node, ("idle", "reserved"), timeout=20)
 
 
-def restart_broker(devcluster: DevCluster) -> None:
-    """SIGKILL the dev cluster's mosquitto and start it again on the same port, through the
-    devcluster tool's own daemon starter (pidfile kept, so `devcluster down` still stops it)."""
+def restart_broker(devcluster: DevCluster, down_s: float = 0.0) -> None:
+    """SIGKILL the dev cluster's mosquitto and, ``down_s`` seconds later, start it again on the
+    same port, through the devcluster tool's own daemon starter (pidfile kept, so `devcluster
+    down` still stops it)."""
     sys.path.insert(0, str(ROOT / "contrib" / "devcluster"))
     from tpdevcluster import daemons, instance  # noqa: PLC0415 - the tool's package, off sys.path by default
 
     pid = devcluster.info["daemons"]["mosquitto"]
     os.kill(pid, signal.SIGKILL)
     wait_until("the broker to die", lambda: _reaped(pid), 10)
+    time.sleep(down_s)
     daemons.start_mosquitto(instance.Instance.from_env())
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 FAULTS = ("kill -9 torchpassd", "kill -9 broker", "kill -9 one launchpad", "network cut of one node",
-          "a survivor killed", "a second node drained")
+          "a survivor killed", "a second node drained", "broker stopped 60 s")
 DURING = ("idle training", "planned migration")
 OK = "job running, nothing lost"
 
