@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from slurm_plugin import hostlist
 from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
 from torchpassd.drill import read_log
+from torchpassd.journal import Journal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
@@ -224,5 +226,33 @@ def test_a_drain_before_the_first_step_waits_for_the_ranks_then_moves_them(
     assert not (job.log.exists() and read_log(job.log)[0]), "the job had finished a step before the drain"
     mig = torchpassd.wait_migration(job.job, "n3", timeout=180)
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
+@pytest.mark.faults
+@pytest.mark.matrix
+@pytest.mark.parametrize("phase", ["spare_added", "joiner_ready", "paused", "handed_over"])
+def test_torchpassd_sigkill_in_each_phase_then_restart(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                                       workdir: Path, reference, phase: str) -> None:  # noqa: ANN001
+    """torchpassd SIGKILLed once the migration reached ``phase`` (or the next one: phases after the
+    pause last milliseconds) and started again: it rolls back what had not been handed over and
+    finishes what had, from its journal; in the end n3's ranks are on n5, the job COMPLETED
+    bit-identical, and the journal's job record agrees with Slurm's node list."""
+    order = ["spare_added", "joiner_ready", "paused", "handed_over", "reformed", "resumed"]
+    job = training(devcluster, tp_config, workdir, torchpassd, step_sleep=3 * STEP_SLEEP)
+    devcluster.drain("n3", "planned maintenance")
+    killed_at = torchpassd.wait_phase(job.job, tuple(order[order.index(phase):]))["phase"]
+    torchpassd.stop(signal.SIGKILL)
+    torchpassd.start()
+    first = torchpassd.wait_migration(job.job, "n3")
+    if killed_at in ("spare_added", "joiner_ready", "paused"):
+        assert first["status"] == "rolled_back" and "restarted" in first["error"], first
+        first = torchpassd.wait_migration(job.job, "n3", skip=1)
+    assert first["status"] == "succeeded" and first["target"] == "n5", (killed_at, first)
+    slurm_nodes = hostlist.expand(devcluster.job_record(job.job)["NodeList"])
+    with Journal(torchpassd.config.parent / "state" / "journal.sqlite") as journal:
+        record = next(j for j in journal.jobs() if j.job_id == job.job)
+    assert sorted(record.nodes) == sorted(slurm_nodes) == ["n1", "n2", "n4", "n5"], (record, slurm_nodes)
     assert_bit_identical(job.wait_done(), reference(STEPS))
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
