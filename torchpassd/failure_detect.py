@@ -143,6 +143,9 @@ class FailureDetector:
             self._control_since = now
         found = []
         for job, nodes in list(self.jobs.items()):
+            members = self.nodes_of(job)
+            for name in [x for x in nodes if members and x not in members]:
+                del nodes[name]  # it left the job: should it come back (as a spare), it is judged afresh
             for name, n in nodes.items():
                 if n.decided or not n.ran_workers:
                     continue

@@ -198,3 +198,17 @@ def test_a_joiner_not_yet_admitted_is_not_judged() -> None:
     h.hb("n5", 0, "joining", joining=True)  # a planned migration's joiner on the spare
     h.run(10, alive=NODES)
     assert h.deaths == []
+
+
+def test_a_node_that_left_and_comes_back_as_a_spare_is_judged_afresh() -> None:
+    """n3 left the job (its ranks moved off it, its launchpad gone) and later joins it again as
+    the spare of another migration: until its new launchpad reports workers, its old silence is
+    no evidence (torchpassd once judged it dead there and rolled the migration back)."""
+    h = Harness()
+    h.run(3)
+    h.members = ("n1", "n2", "n4", "n5")  # n3's ranks moved to n5, n3 released
+    h.state("n3", False, goodbye=True)
+    h.run(10, alive=("n1", "n2", "n4", "n5"))
+    h.members = ("n1", "n2", "n3", "n4", "n5")  # back, as the spare a drain of n2 took
+    h.run(10, alive=("n1", "n2", "n4", "n5"))
+    assert h.deaths == []

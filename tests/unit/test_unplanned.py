@@ -565,3 +565,19 @@ def test_ranks_that_train_on_were_not_lost_and_the_recovery_stands_down(tmp_path
     assert not any(c in ("abort", "recover") for _, c, _, _ in w.commander.sent)  # the job is left alone
     assert w.slurm.free == ["n5"]
     w.close()
+
+
+def test_the_spare_a_running_migration_brings_in_is_not_judged(tmp_path: Path) -> None:
+    from torchpassd.unplanned import Driver
+
+    w = World(tmp_path, ["n5"])
+    orch = FakeOrch(w.deps)
+    orch.unplanned = Driver(orch, lambda: True)
+    rec = w.recovery()
+    rec.plan.seats.append({"node": "n3", "rank": 2, "ranks": [2], "target": "n6"})
+    rec.plan.target = "n5"
+    orch.active["7"], orch.current["7"] = object(), rec
+    assert orch.unplanned.busy("7", "n5") == "a migration is bringing n5 into the job"
+    assert orch.unplanned.busy("7", "n6") == "a migration is bringing n6 into the job"
+    assert orch.unplanned.busy("7", "n2") == ""
+    w.close()
