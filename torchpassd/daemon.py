@@ -166,7 +166,9 @@ class Orchestrator:
         if view is None or not view.user:
             return "job not (yet) seen in Slurm", False
         if node == view.batch_host:
-            return f"{node} is the batch host of job {job}; Slurm cannot release it (keep ranks off it)", True
+            return (f"{node} is the batch host of job {job}: Slurm cannot take it out of a running job, so its ranks "
+                    f"cannot move; the job runs on there, unprotected against {node}'s failure (its other nodes "
+                    "stay protected)"), True
         lp = view.launchpads.get(node)
         if lp is None or not lp.online or not lp.workers:
             return f"waiting for the launchpad on {node} to report its ranks", False

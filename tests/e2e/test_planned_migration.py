@@ -256,3 +256,19 @@ def test_torchpassd_sigkill_in_each_phase_then_restart(torchpassd: Daemon, devcl
     assert sorted(record.nodes) == sorted(slurm_nodes) == ["n1", "n2", "n4", "n5"], (record, slurm_nodes)
     assert_bit_identical(job.wait_done(), reference(STEPS))
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
+@pytest.mark.matrix
+def test_a_drained_batch_host_keeps_its_ranks_and_the_job_is_told_once(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    """Slurm cannot take a job's batch host out of it: a drain there moves nothing, the job hears
+    why once in its own output, trains on and ends COMPLETED, bit-identical."""
+    job = training(devcluster, tp_config, workdir, torchpassd)
+    host = devcluster.job_record(job.job)["BatchHost"]
+    devcluster.drain(host, "planned maintenance")
+    assert_bit_identical(job.wait_done(), reference(STEPS))
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    assert torchpassd.migrations(job.job) == []
+    told = [ln for ln in job.out.read_text().splitlines() if "is the batch host" in ln]
+    assert len(told) == 1 and told[0].startswith(f"torchpass: job {job.job} is not protected right now: {host} is "
+                                                 f"the batch host of job {job.job}: Slurm cannot take it out"), told

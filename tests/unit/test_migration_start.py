@@ -1,6 +1,7 @@
 """When a drain may become a migration: not before the leaving node's launchpad reports its
 ranks, nor while any worker of the job has yet to reach its agent channel (a young job: a worker
-still importing torch cannot be paused, and the pause would roll back)."""
+still importing torch cannot be paused, and the pause would roll back); never off the batch host,
+which Slurm cannot take out of a running job (the user is told, once, that the job runs on there)."""
 
 from __future__ import annotations
 
@@ -27,5 +28,15 @@ def test_a_drain_waits_until_every_worker_of_the_job_is_on_its_channel(tmp_path:
         assert orch._blocked(JOB, "n3") == ("waiting for the first Slurm poll", False)  # the next condition
         await _heartbeat(orch, "n3", {})
         assert orch._blocked(JOB, "n3") == ("waiting for the launchpad on n3 to report its ranks", False)
+        journal.close()
+    asyncio.run(main())
+
+
+def test_a_drained_batch_host_is_refused_lastingly_with_what_it_means_for_the_job(tmp_path: Path) -> None:
+    async def main() -> None:
+        orch, journal, _ = await orchestrator(tmp_path)
+        why, lasting = orch._blocked(JOB, "n1")
+        assert lasting and why.startswith("n1 is the batch host of job 7: Slurm cannot take it out of a running job")
+        assert "unprotected against n1's failure" in why
         journal.close()
     asyncio.run(main())
