@@ -201,6 +201,16 @@ class FailureDetector:
             return []
         return signals if dead else []
 
+    def recall(self, job: str, node: str, ranks: list[int]) -> None:
+        """A previous torchpassd journaled that ``node`` ran ``ranks`` (the recovery it left
+        unfinished): a restarted one never hears a dead node's heartbeats, so remember its ranks and
+        judge it again from the evidence there is now (its Last Will, parked peers, Slurm)."""
+        n = self._node(job, node)
+        if not n.ran_workers:
+            n.workers = [{"rank": r, "state": "running"} for r in ranks]
+        n.decided = False
+        self.check()
+
     def undecide(self, job: str, node: str, *, proven_alive: bool = False) -> None:
         """Judge ``node`` again (its recovery attempt failed and will be retried from evidence);
         ``proven_alive``: its ranks trained on, so only interrupted peers or slurmctld (or its

@@ -282,6 +282,12 @@ class UnplannedRecovery(Flow):
             found.append(death)
         return found
 
+    def _unheard(self) -> list[str]:
+        """Nodes of the job, neither lost nor a spare of this recovery, whose launchpad has not
+        reported its workers: their ranks would be missing from the new generation."""
+        view, p = self.view(), self.plan
+        return sorted(n for n in view.nodes if n not in p.dead and n not in p.targets and n not in p.survivors)
+
     def _check_still_training(self, baseline: dict[str, int]) -> None:
         """A survivor that completes two more steps while we wait for the interruption has had
         its all-reduces answered by every rank: nothing died (heartbeats lag a second at most,
@@ -319,15 +325,17 @@ class UnplannedRecovery(Flow):
         baseline = {n: view.launchpads[n].max_step for n in p.survivors if n in view.launchpads}
         while True:
             await self._absorb()
-            p.survivors = [n for n in p.survivors if n not in p.dead]
+            # a launchpad that reports late (torchpassd just restarted: it has not heard every node yet) joins in
+            p.survivors = sorted(n for n in {*p.survivors, *self._survivors()} if n not in p.dead)
+            unheard = self._unheard()
             steps = self._interrupted_steps()
-            if steps is not None:
+            if steps is not None and not unheard:
                 break
             self._check_still_training(baseline)
             if loop.time() > deadline:
                 view = self.view()
-                late = sorted(n for n in p.survivors if n not in view.launchpads
-                              or any(w.get("state") != INTERRUPTED for w in view.launchpads[n].workers))
+                late = sorted({*unheard, *(n for n in p.survivors if n not in view.launchpads
+                                           or any(w.get("state") != INTERRUPTED for w in view.launchpads[n].workers))})
                 raise MigrationError(f"survivors {late} did not report their workers interrupted within "
                                      f"{self.t.step + self.t.collective:.0f} s",
                                      hint="a rank hangs outside a collective; see its launchpad log", **self.where)
@@ -596,8 +604,8 @@ class Driver:
             for node in p.dead:
                 self.detector.undecide(job, node, proven_alive=True)
         elif status == jn.FAILED and not p.recover_sent and "restarted" in (flow.failure or ""):
-            for node in p.dead:
-                self.detector.undecide(job, node)  # judged again from the evidence
+            for seat in p.seats:  # judged again from the evidence
+                self.detector.recall(job, seat["node"], seat["ranks"])
         elif status == jn.FAILED:
             self.given_up.add(job)
 

@@ -8,13 +8,14 @@ and says why, then recovers), and the `fail` policy (the job ends clearly at onc
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, reference_log, wait_until
+from tests.e2e.conftest import Daemon, Training, reference_log, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
 from torchpassd.drill import DrillReport
 from torchpassd.drill_unplanned import judge
@@ -145,3 +146,29 @@ def test_no_spare_with_fail_policy_ends_the_job_clearly(torchpassd: Daemon, devc
     mig = torchpassd.wait_migration(job.job, VICTIM, timeout=120)
     assert mig["status"] == "failed" and "no usable spare" in mig["error"], mig
     devcluster.wait_job_state(job.job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=120)
+
+
+@pytest.mark.matrix
+def test_torchpassd_sigkill_during_a_recovery_then_restart(torchpassd: Daemon, devcluster: DevCluster,
+                                                           tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    """torchpassd SIGKILLed while it seats the dead node's rank on the spare, and started again: the
+    attempt is recorded as failed by the restart, the survivors stay parked, the failure is decided
+    again from the evidence and a new recovery rebuilds the rank; COMPLETED, bit-identical."""
+    job, offset = _kill_while_training(devcluster, tp_config, workdir, torchpassd)
+    torchpassd.wait_phase(job.job, ("spare_added", "joiner_ready", "interrupted"), timeout=60)
+    torchpassd.stop(signal.SIGKILL)
+    torchpassd.start()
+    first = torchpassd.wait_migration(job.job, VICTIM, timeout=120)
+    assert first["status"] == "failed" and "torchpassd restarted" in first["error"], first
+    again = torchpassd.wait_migration(job.job, VICTIM, timeout=180, skip=1)
+    assert again["status"] == "succeeded" and again["target"] == "n5", again
+    resumed = next(p for p in again["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+    job.wait_done(timeout=240)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    want_steps, want_finals = reference(STEPS)
+    ref = workdir / "reference.log"
+    ref.write_text("".join(json.dumps({"rank": r, "step": st, "loss": x}) + "\n" for r, st, x in want_steps)
+                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in want_finals.items()))
+    rep = DrillReport()
+    judge(job.log, ref, VICTIM_RANK, resumed, offset, rep)
+    assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
