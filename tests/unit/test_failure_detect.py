@@ -212,3 +212,15 @@ def test_a_node_that_left_and_comes_back_as_a_spare_is_judged_afresh() -> None:
     h.members = ("n1", "n2", "n3", "n4", "n5")  # back, as the spare a drain of n2 took
     h.run(10, alive=("n1", "n2", "n4", "n5"))
     assert h.deaths == []
+
+
+def test_a_restarted_torchpassd_recalls_the_dead_nodes_ranks_from_its_journal() -> None:
+    """A fresh torchpassd never hears the dead node's heartbeats: its retained Last Will and the
+    parked survivors decide nothing until the journal's unfinished recovery names its ranks."""
+    h = Harness()
+    h.state("n3", False, will=True)  # the broker's retained Last Will of n3's launchpad
+    h.run(3, alive=("n1", "n2", "n4"), state="interrupted")
+    assert h.deaths == []
+    h.det.recall("7", "n3", [2])
+    assert [(d.node, d.ranks) for d in h.deaths] == [("n3", (2,))]
+    assert "launchpad Last Will (unclean disconnect)" in h.deaths[0].evidence
