@@ -132,10 +132,8 @@ class Orchestrator:
         self.kick()
 
     async def _save_job(self, view: JobView) -> None:
-        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(view.job_id)
         await asyncio.to_thread(self.d.journal.upsert_job, view.job_id, user=view.user, mode=view.mode,
-                                state="RUNNING", gen=rec.gen if rec else 1, nodes=list(view.nodes),
-                                detail={"batch_host": view.batch_host})
+                                state="RUNNING", nodes=list(view.nodes), detail={"batch_host": view.batch_host})
 
     # ---- decisions ---------------------------------------------------------------------------
     def kick(self) -> None:

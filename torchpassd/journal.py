@@ -222,16 +222,18 @@ class Journal:
 
     # ------------------------------------------------------------ jobs and nodes
 
-    def upsert_job(self, job_id: str, *, user: str, mode: str, state: str, gen: int, nodes: list[str],
-                   detail: dict[str, Any] | None = None) -> None:
-        """Create or update a tracked job (its membership, generation and state)."""
+    def upsert_job(self, job_id: str, *, user: str, mode: str, state: str, nodes: list[str],
+                   gen: int | None = None, detail: dict[str, Any] | None = None) -> None:
+        """Create or update a tracked job (its membership, generation and state). ``gen`` None
+        keeps a known job's generation (1 for a new one): only a migration's last phase moves it,
+        so a Slurm update read before that phase cannot undo it."""
         now = time.time()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO jobs VALUES (?,?,?,?,?,?,?,?,?,NULL) ON CONFLICT(job_id) DO UPDATE SET "
-                "user=excluded.user, mode=excluded.mode, state=excluded.state, gen=excluded.gen, "
+                "user=excluded.user, mode=excluded.mode, state=excluded.state, gen=COALESCE(?, jobs.gen), "
                 "nodes=excluded.nodes, detail=excluded.detail, updated=excluded.updated",
-                (job_id, user, mode, state, gen, json.dumps(nodes), _dumps(detail), now, now))
+                (job_id, user, mode, state, gen or 1, json.dumps(nodes), _dumps(detail), now, now, gen))
 
     def end_job(self, job_id: str, state: str) -> None:
         """Mark a job finished (completed, cancelled, failed); it stays for history."""

@@ -514,7 +514,7 @@ class Driver:
         cur = self.o.current.get(job)
         if job in self.o.active and isinstance(cur, planned.PlannedMigration) and cur.plan.source == node:
             return f"a planned migration off {node} runs"
-        if job in self.o.active and cur is not None and node in (cur.plan.target, *cur.swapped()[1]):
+        if job in self.o.active and cur is not None and node in cur.swapped()[1]:
             return f"a migration is bringing {node} into the job"
         return ""
 

@@ -64,6 +64,14 @@ def test_the_last_phase_and_the_jobs_new_generation_are_one_transaction(journal:
     assert (journal.jobs()[0].gen, journal.jobs()[0].nodes) == (2, ["n1", "n5"])
 
 
+def test_a_slurm_update_of_a_job_keeps_the_generation_a_migration_gave_it(journal: Journal) -> None:
+    mid = journal.start_migration("100", mode="planned-aware", source="n2", reason="drain", gen=1)
+    journal.record_transition(mid, "released", SUCCEEDED, job_after=JobAfter(2, ["n1", "n5"]))
+    journal.upsert_job("100", user="alice", mode="aware", state="RUNNING", nodes=["n1", "n5"])  # a JobResized
+    journal.upsert_job("300", user="bob", mode="aware", state="RUNNING", nodes=["n7"])
+    assert {j.job_id: j.gen for j in journal.jobs()} == {"100": 2, "300": 1}
+
+
 def test_a_version_1_journal_is_brought_to_the_current_schema_with_its_data(tmp_path: Path) -> None:
     path = tmp_path / "journal.sqlite"
     db = sqlite3.connect(path, isolation_level=None)

@@ -574,8 +574,9 @@ def test_the_spare_a_running_migration_brings_in_is_not_judged(tmp_path: Path) -
     orch = FakeOrch(w.deps)
     orch.unplanned = Driver(orch, lambda: True)
     rec = w.recovery()
-    rec.plan.seats.append({"node": "n3", "rank": 2, "ranks": [2], "target": "n6"})
-    rec.plan.target = "n5"
+    rec.plan.seats += [{"node": "n3", "rank": 2, "ranks": [2], "target": "n5"},
+                       {"node": "n4", "rank": 3, "ranks": [3], "target": "n6"}]
+    rec.plan.target = "n5"  # the first seat's, as _seat_on_a_spare sets it
     orch.active["7"], orch.current["7"] = object(), rec
     assert orch.unplanned.busy("7", "n5") == "a migration is bringing n5 into the job"
     assert orch.unplanned.busy("7", "n6") == "a migration is bringing n6 into the job"
