@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,14 @@ from slurm_plugin import events as ev
 from slurm_plugin import node_admin
 from slurm_plugin.client import SlurmClient
 from slurm_plugin.connect import open_client, runner_for
+from slurm_plugin.model import Snapshot
 from slurm_plugin.resize import JobResizer
 from slurm_plugin.runner import SlurmRunner
 from slurm_plugin.spares import SparePool, spares_of
 from slurm_plugin.watcher import Watcher
 from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import Config
-from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
+from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
 from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
@@ -37,6 +38,7 @@ from torchpassd.failure_detect import Death, FailureDetector
 from torchpassd.health_watch import HealthWatch
 from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
+from torchpassd.report_gate import ReportGate
 
 RETRY_AFTER_S = 5.0  # a rolled-back or blocked migration is retried no sooner than this
 
@@ -100,6 +102,15 @@ class Orchestrator:
             await task
         self.log.warning("migration.job_ended", job=job, migration=mig.id, phase=mig.last_phase, state=state)
         await mig.job_ended(state)
+
+    def moving(self, job: str) -> set[str]:
+        """The nodes the job's running migration or recovery brings in or takes out (their
+        launchpads report before Slurm's next poll shows the change)."""
+        task, flow = self.active.get(job), self.unplanned.running.get(job) or self.current.get(job)
+        if flow is None or (job not in self.unplanned.running and (task is None or task.done())):
+            return set()
+        left, joined = flow.swapped()
+        return {*left, *joined}
 
     def yield_to_recovery(self, death: Death) -> None:
         """``death.node`` died while a planned migration of its job runs off another node: before
@@ -324,24 +335,42 @@ class Orchestrator:
                 "health_replay": health_replay}
 
 
-async def _pump(client: mqtt.ControlClient, registry: Registry, commander: Commander, metrics: Metrics,
-                health: HealthWatch, detector: FailureDetector | None = None) -> None:
-    async for topic, msg in client.messages():
-        node = protocol.parse_topic(topic).node
-        if node is None:
-            continue
+@dataclass
+class Reports:
+    """Where the launchpads' reports go once the gate admitted them."""
+
+    gate: ReportGate
+    registry: Registry
+    commander: Commander
+    metrics: Metrics
+    health: HealthWatch
+    detector: FailureDetector | None = None
+
+    async def pump(self, client: mqtt.ControlClient) -> None:
+        async for topic, msg in client.messages():
+            node = protocol.parse_topic(topic).node
+            if node is not None:
+                for admitted in self.gate.admit(node, msg):
+                    await self.take(node, admitted)
+
+    async def release(self) -> None:
+        """Act on the held reports Slurm has confirmed since they arrived."""
+        for node, msg in self.gate.release():
+            await self.take(node, msg)
+
+    async def take(self, node: str, msg: protocol.Message) -> None:
         if msg.kind == protocol.ACK:
-            commander.on_ack(msg, node)
+            self.commander.on_ack(msg, node)
         elif msg.kind in (protocol.STATE, protocol.HEARTBEAT):
-            await registry.on_message(node, msg)
-            if detector is not None:
-                detector.on_message(node, msg)
+            await self.registry.on_message(node, msg)
+            if self.detector is not None:
+                self.detector.on_message(node, msg)
             if msg.kind == protocol.HEARTBEAT:
-                metrics.heartbeat_seen(msg.job, node)
-                await health.on_heartbeat(msg.job, node, msg.body)
+                self.metrics.heartbeat_seen(msg.job, node)
+                await self.health.on_heartbeat(msg.job, node, msg.body)
 
 
-async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch,
+async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch, gate: ReportGate,
                  accounts: broker_auth.JobAccounts | None = None) -> None:
     async for e in watcher.events():
         if accounts is not None:
@@ -350,18 +379,32 @@ async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch,
             health.node_returned(e.node)
         elif isinstance(e, ev.JobEnded):
             health.job_ended(str(e.job))
+            gate.forget(str(e.job))
         try:
             await orch.on_slurm(e)
         except TorchPassError as exc:
             log.get().error("orchestrator.event_failed", event=type(e).__name__, error=str(exc))
 
 
-async def _tick(orch: Orchestrator, every: float) -> None:
-    """Re-examine blocked migrations (a launchpad reported, a retry time came) now and then."""
+async def _tick(orch: Orchestrator, reports: Reports, every: float) -> None:
+    """Re-examine blocked migrations (a launchpad reported, a retry time came) and the reports
+    held for Slurm's confirmation now and then."""
     while True:
         await asyncio.sleep(every)
+        await reports.release()
         orch.unplanned.detector.check()  # silence needs a clock
         orch.kick()
+
+
+async def _first_look(slurm: SlurmClient) -> Snapshot | None:
+    """Slurm's view at start-up, so the reports of running jobs count before the watcher's first
+    poll (a recovery left in flight waits for them); None if Slurm does not answer now."""
+    try:
+        return await asyncio.to_thread(slurm.snapshot)
+    except SlurmError as exc:
+        log.get().warning("torchpassd.slurm_not_answering", error=str(exc),
+                          effect="launchpad reports wait for the first Slurm poll")
+        return None
 
 
 async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmRunner | None = None) -> int:
@@ -401,7 +444,10 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
         accounts = broker_auth.JobAccounts.from_config(cfg, slurm)  # per-job broker accounts (or None)
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
                              drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner, node, reason))
-        tasks = [asyncio.create_task(_pump(client, registry, commander, metrics, health, orch.unplanned.detector)),
+        boot = await _first_look(slurm)
+        gate = ReportGate(lambda: watcher.last or boot, orch.moving, metrics.reports_refused_total)
+        reports = Reports(gate, registry, commander, metrics, health, orch.unplanned.detector)
+        tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,
                                  {**orch.handlers(started, slurm.name, client), "health": health.op_health},
@@ -411,8 +457,8 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
             await asyncio.to_thread(resizer.reconcile_grants)  # before anything may grant again
             await orch.recover()
-            tasks += [asyncio.create_task(_watch(watcher, orch, health, accounts)),
-                      asyncio.create_task(_tick(orch, cfg.timeouts.heartbeat_interval))]
+            tasks += [asyncio.create_task(_watch(watcher, orch, health, gate, accounts)),
+                      asyncio.create_task(_tick(orch, reports, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
             tasks.append(asyncio.create_task(sdnotify.broker_status_loop(lambda: client.connected, slurm.name)))
             logger.info("torchpassd.ready", backend=slurm.name, metrics_port=metrics_server.port,

@@ -31,6 +31,8 @@ class HealthWatch:
     def __init__(self, cfg: HealthConfig, journal: Journal, *, drain: DrainFn, migrate: MigrateFn,
                  counter: Counter) -> None:
         self.policy = HealthPolicy(cfg)
+        self.enabled = cfg.enabled
+        self._ignored: set[str] = set()  # nodes whose GPU telemetry arrived while the policy is off (logged once)
         self.journal, self.drain, self.migrate, self.counter = journal, drain, migrate, counter
         self._decoders: dict[tuple[str, str], DeltaDecoder] = {}
         self._acting: set[asyncio.Task[None]] = set()
@@ -40,6 +42,12 @@ class HealthWatch:
         """Apply one heartbeat body; the decision taken because of it, if any."""
         part = body.get("gpu")
         if part is None:
+            return None
+        if not self.enabled:  # no launchpad sends it then: whoever did is not acted on
+            if node not in self._ignored and len(self._ignored) < 4096:
+                self._ignored.add(node)
+                self._log.warning("health.telemetry_ignored", job=job, node=node,
+                                  reason="GPU telemetry arrived while the health policy is off (health.enabled = false)")
             return None
         decoder = self._decoders.setdefault((job, node), DeltaDecoder())
         try:

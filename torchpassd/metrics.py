@@ -135,6 +135,10 @@ class Metrics:
         self.heartbeat_age_seconds = Gauge(
             "torchpass_heartbeat_age_seconds", "Seconds since the last heartbeat of a node's launchpad.",
             ("job", "node"))
+        self.reports_refused_total = Counter(
+            "torchpass_reports_refused_total",
+            "Launchpad reports torchpassd did not act on: about a node Slurm does not show in the sender's job, "
+            "over the rate limit, or too many waiting for Slurm's confirmation.", ("reason",))
         self._last_heartbeat: dict[tuple[str, str], float] = {}
         self.spares_free.set(0)
         self.jobs_tracked.set(0)
@@ -152,7 +156,8 @@ class Metrics:
         for (job, node), seen in self._last_heartbeat.items():
             self.heartbeat_age_seconds.set(round(now - seen, 3), job=job, node=node)
         metrics = (self.migrations_total, self.migration_pause_seconds, self.failure_detect_seconds,
-                   self.spares_free, self.jobs_tracked, self.heartbeat_age_seconds, self.health_decisions_total)
+                   self.spares_free, self.jobs_tracked, self.heartbeat_age_seconds, self.health_decisions_total,
+                   self.reports_refused_total)
         return "\n".join(m.render() for m in metrics) + "\n"
 
 
