@@ -29,7 +29,16 @@ def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int
     return value
 
 
-_SOURCE_KEYS = ("path", "listen_host", "port", "token")
+def _wormhole_end(value: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
+    """``value`` if it is a wormhole end with ``keys`` (ac.DEST_KEYS or ac.SOURCE_KEYS); a map
+    carrying a filesystem path, or anything else, is a ProtocolError."""
+    if isinstance(value, dict) and "path" in value:
+        raise ProtocolError(f"{what} carries a filesystem path ({value['path']!r}): {ac.NO_PATHS}",
+                            hint=f"give a wormhole end {{{', '.join(sorted(keys))}}}")
+    if not isinstance(value, dict) or not keys <= value.keys():
+        raise ProtocolError(f"{what} must be a wormhole end {{{', '.join(sorted(keys))}}}, got "
+                            f"{sorted(value) if isinstance(value, dict) else value!r}")
+    return value
 
 
 def _donations(raw: Any) -> list[dict[str, Any]]:
@@ -42,7 +51,8 @@ def _donations(raw: Any) -> list[dict[str, Any]]:
         to = d.get("to", d.get("rank")) if isinstance(d, dict) else None
         if not isinstance(to, int) or not isinstance(d.get("dest"), dict):
             raise ProtocolError(f"a donation needs 'to' (the rank to rebuild) and a 'dest' map, got {d!r}")
-        out.append({"to": to, "dest": d["dest"], "from": d.get("from")})
+        dest = _wormhole_end(d["dest"], ac.DEST_KEYS, f"recover's donation to rank {to}: 'dest'")
+        out.append({"to": to, "dest": dest, "from": d.get("from")})
     return out
 
 
@@ -53,13 +63,15 @@ def _loads(raw: Any, lagging: list[int]) -> dict[int, dict[str, Any]]:
         return {}
     if not isinstance(raw, dict):
         raise ProtocolError(f"recover's 'load_from' must be a map, got {raw!r}")
-    if any(k in raw for k in _SOURCE_KEYS):
+    if any(k in raw for k in (*ac.SOURCE_KEYS, "path")):
+        _wormhole_end(raw, ac.SOURCE_KEYS, "recover's 'load_from'")
         if len(lagging) != 1:
             raise ProtocolError(f"one load_from source for {len(lagging)} lagging workers {lagging}",
                                 hint="give load_from as a map from rank to source")
         return {lagging[0]: raw}
     try:
-        return {int(rank): source for rank, source in raw.items() if isinstance(source, dict)}
+        return {int(rank): _wormhole_end(source, ac.SOURCE_KEYS, f"recover's 'load_from' for rank {rank}")
+                for rank, source in raw.items() if isinstance(source, dict)}
     except ValueError as exc:
         raise ProtocolError(f"recover's load_from keys must be ranks: {sorted(raw)}") from exc
 
@@ -132,17 +144,17 @@ class Commands:
         return {"steps": steps}
 
     async def save(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Have worker ``rank`` save its state to ``dest`` (a file path or a wormhole peer); with
+        """Have worker ``rank`` send its state to ``dest`` (a wormhole receiver, never a path); with
         ``saves`` (a list of {rank, dest}) several workers of this node save at once, side by side."""
         raw = args.get("saves", [{"rank": args.get("rank"), "dest": args.get("dest")}])
         if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
             raise ProtocolError(f"save's 'saves' must be a non-empty list of {{rank, dest}} maps, got {raw!r}")
+        saves = [(_int_arg(item, "rank"), item.get("dest")) for item in raw]
+        for rank, dest in saves:  # every destination checked before any worker is asked
+            _wormhole_end(dest, ac.DEST_KEYS, f"save's 'dest' for rank {rank}")
         links = {lk.rank: lk for lk in self._links(include_joiners=False)}
         jobs = []
-        for item in raw:
-            rank, dest = _int_arg(item, "rank"), item.get("dest")
-            if not isinstance(dest, dict):
-                raise ProtocolError("save needs a 'dest' map ({'path': ...} or {'host', 'port', 'token'})")
+        for rank, dest in saves:
             if rank not in links:
                 raise WorkerError("no running (non-joining) worker has this rank here", rank=rank,
                                   node=self.agent.node)
@@ -242,9 +254,7 @@ class Commands:
     async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Start a worker that joins as ``rank``; acked once it has connected to the channel."""
         rank, world = _int_arg(args, "rank"), _int_arg(args, "world_size", self.agent.world_size)
-        source = args.get("source")
-        if not isinstance(source, dict):
-            raise ProtocolError("start_joiner needs a 'source' map ({'path': ...} or {'listen_host', 'port', 'token'})")
+        source = _wormhole_end(args.get("source"), ac.SOURCE_KEYS, "start_joiner's 'source'")
         group = self.agent.group
         if group is None:
             raise WorkerError("no worker group to add a joiner to", node=self.agent.node)

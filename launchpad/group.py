@@ -52,7 +52,9 @@ def join_plan(nproc: int) -> dict[str, Any] | None:
     try:
         plan = json.loads(raw)
         ok = (len(plan["ranks"]) == len(plan["sources"]) == nproc
-              and all(isinstance(plan[k], int) for k in ("world_size", "group_rank", "group_world_size")))
+              and all(isinstance(plan[k], int) for k in ("world_size", "group_rank", "group_world_size"))
+              and all(isinstance(src, dict) and "path" not in src and agent_channel.SOURCE_KEYS <= src.keys()
+                      for src in plan["sources"]))  # wormhole listeners only: never a filesystem path
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:

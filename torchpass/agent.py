@@ -229,6 +229,7 @@ class Agent:
             raise WorkerError("asked to hand over state, but the script never called torchpass.register()",
                               hint="call torchpass.register(save=..., load=...) before training",
                               rank=self.rank)
+        handover.check_dest(dest, rank=self.rank)  # refused before the user's save() runs
         t0 = time.perf_counter()
         rec = self.capture(steps.current())
         size = handover.send(rec, dest, rank=self.rank)

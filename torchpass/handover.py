@@ -1,25 +1,21 @@
 """Moving one rank's state to a joining rank: the hand-over record (the user's save() state plus
-TorchPass's own: the step and the DDP bucket layouts), sent by the donor to a file or through the
-wormhole, and received on the joiner. Where the state goes is launchpad's choice (``dest``).
+TorchPass's own: the step and the DDP bucket layouts), sent by the donor through the wormhole and
+received on the joiner; the wormhole peer is launchpad's choice (``dest``), never a file path.
 Sharded tensors (DTensor: FSDP2, HSDP, tensor parallel, a DCP state dict) travel as their local
 shard; the joiner puts each back on its own mesh with the placements of its own state (it built
 the same model and mesh), with no collective."""
 
 from __future__ import annotations
 
-import os
-import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchpass_common import agent_channel as ac
 from torchpass_common.errors import WorkerError
 
 FORMAT = 1
-_POLL = 0.005
 _SHARD = "__torchpass_local_shard__"  # marks a DTensor sent as {_SHARD: local tensor, "shape": [...]}
 
 
@@ -87,22 +83,37 @@ def has_local_shards(state: Any) -> bool:
     return bool(found)
 
 
-def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:
-    """Deliver ``rec`` to ``dest`` ({"path"} or {"host", "port", "token"}); returns bytes moved."""
-    if "path" in dest:
-        path = Path(dest["path"])
-        tmp = path.with_name(path.name + ".part")
-        torch.save(rec, tmp)
-        os.replace(tmp, path)  # the joiner never sees a partial file
-        return path.stat().st_size
-    if {"host", "port", "token"} <= dest.keys():
-        from launchpad.wormhole import send_state  # launchpad ships with torchpass; imported on use
+def check_dest(dest: Any, *, rank: int) -> dict[str, Any]:
+    """``dest`` if it names a wormhole receiver ({"host", "port", "token"}), else WorkerError."""
+    if not isinstance(dest, dict) or "path" in dest or not ac.DEST_KEYS <= dest.keys():
+        raise WorkerError(f"save destination {_keys(dest)} is not a wormhole receiver {{host, port, token}}"
+                          + (f"; {ac.NO_PATHS}" if isinstance(dest, dict) and "path" in dest else ""),
+                          hint="launchpad and torchpass disagree on the agent channel", rank=rank)
+    return dest
 
-        stats = send_state(rec, dest["host"], int(dest["port"]), bytes.fromhex(dest["token"]),
-                           context={"rank": rank})
-        return stats.bytes
-    raise WorkerError(f"save destination has neither 'path' nor host/port/token: {sorted(dest)}",
-                      hint="launchpad and torchpass disagree on the agent channel", rank=rank)
+
+def check_source(source: Any, *, rank: int) -> dict[str, Any]:
+    """``source`` if it names this rank's wormhole listener ({"listen_host", "port", "token"}),
+    else WorkerError."""
+    if not isinstance(source, dict) or "path" in source or not ac.SOURCE_KEYS <= source.keys():
+        raise WorkerError(f"hand-over source {_keys(source)} is not a wormhole listener "
+                          "{listen_host, port, token}"
+                          + (f"; {ac.NO_PATHS}" if isinstance(source, dict) and "path" in source else ""),
+                          hint="check TORCHPASS_JOIN_SOURCE or the recover command's load_from", rank=rank)
+    return source
+
+
+def _keys(value: Any) -> str:
+    return str(sorted(value)) if isinstance(value, dict) else type(value).__name__
+
+
+def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:
+    """Deliver ``rec`` to the wormhole receiver ``dest`` ({"host", "port", "token"}); returns bytes moved."""
+    check_dest(dest, rank=rank)
+    from launchpad.wormhole import send_state  # launchpad ships with torchpass; imported on use
+
+    stats = send_state(rec, dest["host"], int(dest["port"]), bytes.fromhex(dest["token"]), context={"rank": rank})
+    return stats.bytes
 
 
 class Incoming:
@@ -111,44 +122,19 @@ class Incoming:
     record whose tensors the wormhole fills, e.g. the joiner's own parameters."""
 
     def __init__(self, source: dict[str, Any], *, rank: int, template: Any = None) -> None:
-        self.rank = rank
-        self._path: Path | None = None
-        self._receiver: Any = None
-        if "path" in source:
-            self._path = Path(source["path"])
-        elif {"listen_host", "port", "token"} <= source.keys():
-            from launchpad.wormhole import StateReceiver
+        from launchpad.wormhole import StateReceiver
 
-            self._receiver = StateReceiver(source["listen_host"], int(source["port"]),
-                                           bytes.fromhex(source["token"]), template=template,
-                                           context={"rank": rank})
-        else:
-            raise WorkerError(f"join source has neither 'path' nor listen_host/port/token: {sorted(source)}",
-                              hint="check TORCHPASS_JOIN_SOURCE", rank=rank)
+        check_source(source, rank=rank)
+        self.rank = rank
+        self._receiver = StateReceiver(source["listen_host"], int(source["port"]), bytes.fromhex(source["token"]),
+                                       template=template, context={"rank": rank})
 
     def receive(self, timeout: float) -> dict[str, Any]:
         """Wait up to ``timeout`` s for the donor's record."""
-        if self._receiver is not None:
-            with self._receiver:
-                rec = self._receiver.receive(timeout)
-        else:
-            rec = _wait_for_file(self._path, timeout, self.rank)
+        with self._receiver:
+            rec = self._receiver.receive(timeout)
         meta = rec.get("torchpass") if isinstance(rec, dict) else None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise WorkerError("the received state is not a TorchPass hand-over record of format "
                               f"{FORMAT}", hint="donor and joiner must run the same TorchPass", rank=self.rank)
         return rec
-
-
-def _wait_for_file(path: Path | None, timeout: float, rank: int) -> Any:
-    if path is None:
-        raise WorkerError("no hand-over source to wait for", rank=rank)
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise WorkerError(f"no hand-over state appeared at {path} within {timeout:.0f} s",
-                              hint="did the leaving rank get its save command?", rank=rank)
-        time.sleep(_POLL)
-    # weights_only=False: the record holds the user's RNG states (numpy, random), and the file
-    # comes from this job's own rank through launchpad, not from an outside source.
-    return torch.load(path, weights_only=False)

@@ -121,6 +121,13 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
                          "so this rank has no state to donate or reload; restart from the last checkpoint")
             report = True
             continue
+        if msg.get("load_from"):
+            try:
+                handover.check_source(msg["load_from"], rank=agent.rank)
+            except WorkerError as exc:  # checked before donating: a refused command changes nothing
+                agent._error(f"recover refused: {exc}; this rank keeps its state, send recover again")
+                error, report = f"recover refused: {exc.message}", True
+                continue
         try:
             sent, seconds = donate(own, msg["donate"], rank=agent.rank, wait=agent.timeouts.reform)
         except Exception as exc:  # any failure: report, keep the state, wait again
@@ -135,15 +142,17 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
 
 
 def donate(own: dict[str, Any], donations: list[dict[str, Any]], *, rank: int, wait: float) -> tuple[int, float]:
-    """Send ``own`` to each donation's ``dest`` (a path, or a wormhole receiver that may still be
-    starting: wait up to ``wait`` s for it to listen); returns (bytes, seconds)."""
+    """Send ``own`` to each donation's ``dest`` (a wormhole receiver that may still be starting:
+    wait up to ``wait`` s for it to listen); returns (bytes, seconds)."""
     t0, total = time.perf_counter(), 0
-    for d in donations:
+    dests = []
+    for d in donations:  # every destination checked before the first byte is sent
         dest = d.get("dest") if isinstance(d, dict) else None
         if not isinstance(dest, dict):
             raise WorkerError(f"a donation needs a 'dest' map, got {d!r}", rank=rank)
-        if "host" in dest and "port" in dest:
-            _wait_listening(str(dest["host"]), int(dest["port"]), wait, rank)
+        dests.append(handover.check_dest(dest, rank=rank))
+    for dest in dests:
+        _wait_listening(str(dest["host"]), int(dest["port"]), wait, rank)
         total += handover.send(own, dest, rank=rank)
     return total, time.perf_counter() - t0
 

@@ -21,7 +21,7 @@ from torchpass_common.errors import ProtocolError
 # Environment a worker is started with.
 ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
-ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"path": ...} or {"listen_host", "port", "token"}
+ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"listen_host", "port", "token"} (SOURCE_KEYS)
 # On a joining node's launchpad (never in a worker): JSON {"ranks": [...], "world_size", "group_rank",
 # "group_world_size", "sources": [...], "cwd"}: local worker i joins as ranks[i], loading from
 # sources[i], in the job's working directory cwd.
@@ -33,7 +33,13 @@ ENV_OUTPUT_ARGS = "TORCHPASS_OUTPUT_ARGS"  # JSON list: the launchpad's output o
 ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 
-MAX_FRAME = 1 << 20  # control messages only; state travels by file or the wormhole
+MAX_FRAME = 1 << 20  # control messages only; state travels through the wormhole
+
+# Where hand-over state goes and comes from: always a wormhole peer, never a filesystem path (a
+# command that carries a "path" is refused: nothing read from disk on a command's word is loaded).
+DEST_KEYS = frozenset({"host", "port", "token"})  # a donor's save / recover donation dest: the receiver
+SOURCE_KEYS = frozenset({"listen_host", "port", "token"})  # a joiner's source / load_from: its listener
+NO_PATHS = "commands never carry filesystem paths: state moves only through the wormhole"
 _HEADER = struct.Struct(">I")
 
 # worker -> agent

@@ -36,6 +36,11 @@ class Refused(WormholeError):
     """A connecting peer failed authentication (stranger, wrong token, garbage, port scan)."""
 
 
+class Unanswered(WormholeError):
+    """Sender side: the receiver hung up (or stayed silent) before its challenge, as it does with
+    connections over its handshake cap during a flood; nothing but the hello was sent: retry."""
+
+
 def _proof(token: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, b"torchpass-wormhole-" + role + b"".join(parts), hashlib.sha256).digest()
 
@@ -51,8 +56,13 @@ def check_token(token: bytes) -> bytes:
 def client_handshake(stream: Stream, token: bytes, info: StreamInfo) -> None:
     """Sender side: verify the receiver holds ``token`` before sending anything else, then prove it."""
     nonce_c = secrets.token_bytes(_NONCE)
-    stream.send(_HELLO.pack(MAGIC, VERSION, nonce_c))
-    magic, version, nonce_r, proof_r = _CHALLENGE.unpack(stream.recv_exact(_CHALLENGE.size))
+    try:
+        stream.send(_HELLO.pack(MAGIC, VERSION, nonce_c))
+        challenge = stream.recv_exact(_CHALLENGE.size)
+    except WormholeError as exc:
+        raise Unanswered(f"receiver did not answer the hello ({exc.message})", peer=stream.peer,
+                         hint="it may be busy refusing a flood of connections; the sender retries") from exc
+    magic, version, nonce_r, proof_r = _CHALLENGE.unpack(challenge)
     if magic != MAGIC or version != VERSION:
         raise WormholeError(f"peer is not a wormhole receiver of version {VERSION}", peer=stream.peer,
                             hint="check the receiver address and that both nodes run the same TorchPass")

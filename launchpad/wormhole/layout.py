@@ -1,7 +1,9 @@
 """Turning a nested state (dicts, lists, tuples, OrderedDicts of tensors, files, byte buffers and
 plain values) into a msgpack skeleton plus a list of leaves that travel as raw bytes, and back.
-Plain values go as msgpack; pickle is used only for values msgpack cannot express, and is only
-ever unpickled by a receiver after the peer authenticated. Knows nothing of sockets."""
+Plain values go as msgpack; values msgpack cannot express (numpy arrays and scalars, huge ints,
+sets, ...) go as pickle, read back by safe_pickle's unpickler (an allow-list of globals, each
+bounded in cost), checked on both ends: nothing executable crosses the wire. Knows nothing of
+sockets."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import msgpack
 import torch
 
 from launchpad.wormhole.payload import File
+from launchpad.wormhole.safe_pickle import HINT, RefusedGlobal, safe_loads
 from torchpass_common.errors import WormholeError
 
 _EXT_TUPLE, _EXT_LEAF, _EXT_ODICT, _EXT_PICKLE = 1, 2, 3, 4
 _LEAF_TYPES = (torch.Tensor, bytearray, memoryview, File)
-
 
 @dataclass(frozen=True)
 class Leaf:
@@ -33,6 +35,20 @@ class _Marker:
 
     def __init__(self, kind: int, data: Any) -> None:
         self.kind, self.data = kind, data
+
+
+def _pickled(obj: Any, path: str) -> bytes:
+    """``obj`` pickled, checked at the sender with the receiver's own allow-list, so that a state
+    the receiver would refuse fails before any migration starts."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if type(obj) is not int:  # a huge int pickles without globals
+        try:
+            safe_loads(data)
+        except RefusedGlobal as exc:
+            raise WormholeError(f"state value at {path or '<root>'} ({type(obj).__module__}.{type(obj).__qualname__}) "
+                                f"cannot be sent: it pickles as {exc.name}, which receivers refuse",
+                                hint=HINT.format(name=exc.name)) from None
+    return data
 
 
 def _walk(obj: Any, path: str, leaves: list[Leaf]) -> Any:
@@ -51,7 +67,7 @@ def _walk(obj: Any, path: str, leaves: list[Leaf]) -> Any:
         return _Marker(_EXT_TUPLE, [_walk(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
     if kind in (str, bytes, float, bool, type(None)) or (kind is int and -(1 << 63) <= obj < 1 << 64):
         return obj
-    return _Marker(_EXT_PICKLE, obj)  # numpy arrays, huge ints, custom objects: not msgpack
+    return _Marker(_EXT_PICKLE, _pickled(obj, path))  # numpy arrays, huge ints, sets: not msgpack
 
 
 def _pack(tree: Any) -> bytes:
@@ -64,7 +80,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     if obj.kind == _EXT_LEAF:
         return msgpack.ExtType(_EXT_LEAF, obj.data.to_bytes(4, "big"))
     if obj.kind == _EXT_PICKLE:
-        return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj.data, protocol=pickle.HIGHEST_PROTOCOL))
+        return msgpack.ExtType(_EXT_PICKLE, obj.data)
     return msgpack.ExtType(obj.kind, _pack(obj.data))
 
 
@@ -73,7 +89,7 @@ def flatten(state: Any) -> tuple[bytes, list[Leaf]]:
     leaves: list[Leaf] = []
     try:
         skeleton = _pack(_walk(state, "", leaves))
-    except (TypeError, ValueError, OverflowError, pickle.PicklingError) as exc:
+    except (TypeError, ValueError, OverflowError, AttributeError, pickle.PicklingError) as exc:
         raise WormholeError(f"state cannot be serialised: {exc}",
                             hint="save() must return dicts/lists/tuples of tensors and plain values") from exc
     return skeleton, leaves
@@ -85,13 +101,14 @@ def leaves_of(state: Any) -> list[Leaf]:
 
 
 def unflatten(skeleton: bytes, values: list[Any]) -> Any:
-    """Rebuild the state from its skeleton, putting ``values[i]`` where leaf ``i`` was."""
+    """Rebuild the state from its skeleton, putting ``values[i]`` where leaf ``i`` was. Pickled
+    values are read with safe_pickle.SafeUnpickler: a global outside its ALLOWED raises RefusedGlobal."""
 
     def hook(code: int, data: bytes) -> Any:
         if code == _EXT_LEAF:
             return values[int.from_bytes(data, "big")]
         if code == _EXT_PICKLE:
-            return pickle.loads(data)  # noqa: S301 - only reached after the peer authenticated
+            return safe_loads(data)
         inner = msgpack.unpackb(data, ext_hook=hook, strict_map_key=False, raw=False)
         if code == _EXT_TUPLE:
             return tuple(inner)
@@ -101,5 +118,5 @@ def unflatten(skeleton: bytes, values: list[Any]) -> Any:
 
     try:
         return msgpack.unpackb(skeleton, ext_hook=hook, strict_map_key=False, raw=False)
-    except (ValueError, IndexError, msgpack.UnpackException, pickle.UnpicklingError) as exc:
+    except (ValueError, IndexError, TypeError, msgpack.UnpackException) as exc:
         raise WormholeError(f"state skeleton is malformed: {exc}") from exc

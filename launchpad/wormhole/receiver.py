@@ -1,8 +1,9 @@
 """The receiving end of the wormhole: ``StateReceiver`` listens, refuses (and logs) every peer
 that fails the token challenge, takes the manifest, receives each chunk with recv_into straight
 into its destination (template tensors, fresh tensors, files), verifies every checksum, and only
-then commits and rebuilds the state. A failed transfer leaves caller-visible state untouched
-(except template tensors received with ``in_place=True``, which the error then says)."""
+then commits and rebuilds the state. At most MAX_HANDSHAKES strangers are challenged at once, each
+within a deadline; more are hung up on at once. A failed transfer leaves caller-visible state
+untouched (except template tensors received with ``in_place=True``, which the error then says)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
 MAX_STREAMS = 64
+MAX_HANDSHAKES = 32  # connections being authenticated at once; more are closed at once (a flood)
+_SHED_LOG_EVERY = 1.0  # seconds between two logs of connections closed over MAX_HANDSHAKES
 
 
 def _recv_chunks(stream: Stream, index: int, chunks: list[Chunk], sinks: list[Sink], meter: Meter) -> None:
@@ -62,15 +65,22 @@ class StateReceiver:
     staging buffers that are copied into the template only after every chunk verified; with
     ``in_place=True`` they land in the template's tensors directly (fastest; after a failure those
     tensors hold partial data). ``files_dir``: where File leaves are written (``name.part`` until
-    commit). ``progress``: called from stream threads with Progress snapshots."""
+    commit). ``progress``: called from stream threads with Progress snapshots.
+    ``handshake_timeout``: the deadline of each connection's whole authentication;
+    ``max_handshakes``: how many run at once (a connection over the cap is closed at once, counted
+    in ``shed``; the sender retries such a stream until its timeout)."""
 
     def __init__(self, bind_host: str, port: int = 0, token: bytes = b"", *, streams: int = 2,
                  template: Any = None, in_place: bool = False, files_dir: str | Path | None = None,
                  progress: ProgressCallback | None = None, transport: Transport | None = None,
-                 handshake_timeout: float = 5.0, context: Mapping[str, Any] | None = None) -> None:
+                 handshake_timeout: float = 5.0, max_handshakes: int = MAX_HANDSHAKES,
+                 context: Mapping[str, Any] | None = None) -> None:
         self._token = check_token(token)
         if not 1 <= streams <= MAX_STREAMS:
             raise WormholeError(f"invalid wormhole streams={streams}", hint=f"use 1..{MAX_STREAMS}")
+        if max_handshakes < streams:
+            raise WormholeError(f"invalid wormhole max_handshakes={max_handshakes}",
+                                hint=f"allow at least as many concurrent handshakes as streams ({streams})")
         self.streams = streams
         self._where = dict(context or {})
         self._log = log.get(**self._where)
@@ -79,6 +89,12 @@ class StateReceiver:
         self._files_dir = Path(files_dir) if files_dir is not None else None
         self._progress = progress
         self._handshake_timeout = handshake_timeout
+        self._max_handshakes = max_handshakes
+        self._handshake_slots = threading.BoundedSemaphore(max_handshakes)
+        self._handshaking: dict[Stream, float] = {}  # stream -> deadline of its authentication
+        self._expired: set[Stream] = set()  # closed by the acceptor at their deadline
+        self.shed = 0  # connections closed at once because max_handshakes were running
+        self._shed_logged = (0, 0.0)  # shed count and time at the last wormhole.shed log
         self._slots: dict[str, Slot] = {}
         if template is not None:
             self._slots = {leaf.path: make_slot(leaf.value, in_place) for leaf in leaves_of(template)
@@ -109,32 +125,81 @@ class StateReceiver:
         stream.close()
 
     def _handshake(self, stream: Stream, results: queue.Queue[tuple[Stream, StreamInfo | Refused]]) -> None:
-        stream.set_timeout(self._handshake_timeout)
         try:
+            stream.set_timeout(self._handshake_timeout)
             outcome: StreamInfo | Refused = server_handshake(stream, self._token)
         except Refused as exc:
             outcome = exc
         except WormholeError as exc:
             outcome = Refused(exc.message, peer=stream.peer)
+        finally:
+            with self._lock:
+                self._handshaking.pop(stream, None)
+                expired = stream in self._expired
+                self._expired.discard(stream)
+            self._handshake_slots.release()
+        if expired and isinstance(outcome, Refused):
+            outcome = Refused(f"{outcome.message}; its handshake deadline of {self._handshake_timeout:g} s passed",
+                              peer=stream.peer)
         with self._lock:
             if self._accepting:
                 results.put((stream, outcome))
                 return
         stream.close()  # receive() has already returned
 
+    def _expire_handshakes(self) -> None:
+        """Close every connection whose authentication ran past its deadline (a peer trickling
+        bytes would otherwise hold its slot; each read alone is bounded by the same time)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s, deadline in self._handshaking.items() if deadline < now and s not in self._expired]
+            self._expired.update(late)
+        for s in late:
+            s.close()  # its handshake thread wakes up and reports the refusal
+
+    def _shed(self, stream: Stream) -> None:
+        """Close a connection over the handshake cap at once, unauthenticated."""
+        stream.close()
+        self.shed += 1
+        self._log_shed()
+
+    def _log_shed(self, *, final: bool = False) -> None:
+        """Log how many connections were shed since the last log: at most once a second, and once
+        more when accepting ends (``final``)."""
+        logged, at = self._shed_logged
+        now = time.monotonic()
+        if self.shed > logged and (final or now - at >= _SHED_LOG_EVERY):
+            self._log.warning("wormhole.shed", connections=self.shed - logged, total=self.shed,
+                              max_handshakes=self._max_handshakes, port=self.port,
+                              hint="a flood of connections: they were closed unauthenticated")
+            self._shed_logged = (self.shed, now)
+
     def _acceptor(self, results: queue.Queue[tuple[Stream, StreamInfo | Refused]]) -> None:
         """Accept every incoming connection and authenticate it in its own thread, so a silent
-        stranger delays nobody."""
+        stranger delays nobody; at most max_handshakes at once, each within handshake_timeout."""
         while self._accepting:
             try:
                 stream = self._listener.accept(0.2)
             except OSError:
                 return  # listener closed
-            if stream is not None:
-                with self._lock:
-                    self._pending.add(stream)
+            self._expire_handshakes()
+            if stream is None:
+                continue
+            if not self._handshake_slots.acquire(blocking=False):
+                self._shed(stream)
+                continue
+            with self._lock:
+                self._pending.add(stream)
+                self._handshaking[stream] = time.monotonic() + self._handshake_timeout
+            try:
                 threading.Thread(target=self._handshake, args=(stream, results), daemon=True,
                                  name="wormhole-handshake").start()
+            except RuntimeError:  # no thread could be started: treat it as over the cap
+                with self._lock:
+                    self._pending.discard(stream)
+                    self._handshaking.pop(stream, None)
+                self._handshake_slots.release()
+                self._shed(stream)
 
     def _accept(self, deadline: float) -> list[Stream]:
         """Wait until one session's streams all authenticated; refuse (and log) everyone else."""
@@ -152,7 +217,8 @@ class StateReceiver:
                 except queue.Empty:
                     raise WormholeError(
                         f"no authenticated sender within the timeout ({len(accepted)} of {self.streams} "
-                        f"streams; {len(self.refused)} peers refused)", port=self.port,
+                        f"streams; {len(self.refused)} peers refused, {self.shed} connections closed over "
+                        f"the limit of {self._max_handshakes} concurrent handshakes)", port=self.port,
                         hint="check the sender got this address and the migration's token") from None
                 with self._lock:
                     self._pending.discard(stream)
@@ -187,6 +253,7 @@ class StateReceiver:
                 s.close()
             self._listener.close()
             acceptor.join(1.0)
+            self._log_shed(final=True)
             while not results.empty():  # handshakes that finished after the last get()
                 results.get()[0].close()
         return [accepted[i] for i in range(self.streams)]
@@ -272,6 +339,8 @@ class StateReceiver:
             touched = self._in_place and bool(self._slots)
             hint = ("template tensors received in place hold partial data: rebuild them before retrying"
                     if touched else "nothing was loaded: the template and any files are as before; retry")
+            if exc.hint:  # what the failure itself says to do (e.g. a refused pickled value) comes first
+                hint = f"{exc.hint}; {hint}"
             self._log.error("wormhole.receive_failed", error=str(exc), template_touched=touched)
             raise WormholeError(f"receiving state failed: {exc.message}", hint=hint,
                                 **{**exc.where, **self._where}) from exc

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from launchpad.wormhole.auth import StreamInfo, check_token, client_handshake
+from launchpad.wormhole.auth import StreamInfo, Unanswered, check_token, client_handshake
 from launchpad.wormhole.layout import flatten
 from launchpad.wormhole.parallel import run_parallel
 from launchpad.wormhole.payload import Source, make_source
@@ -25,6 +25,37 @@ from torchpass_common import log
 from torchpass_common.errors import WormholeError
 
 MAX_STREAMS = 64
+_RETRY_FIRST, _RETRY_MAX = 0.02, 0.5  # seconds between tries of a stream the receiver hung up on
+_RETRY_FOR = 30.0  # seconds a stream is tried again at most (several of the receiver's handshake deadlines)
+
+
+def _open_stream(transport: Transport, host: str, port: int, token: bytes, info: StreamInfo,
+                 deadline: float, logger: Any) -> Stream:
+    """Connect and authenticate one stream; a receiver that hangs up before its challenge (it
+    sheds connections over its handshake cap while strangers flood it) is tried again, with
+    backoff, for up to _RETRY_FOR seconds (at most until ``deadline``)."""
+    delay, tries = _RETRY_FIRST, 0
+    deadline = min(deadline, time.monotonic() + _RETRY_FOR)
+    while True:
+        stream = transport.connect(host, port, timeout=max(0.001, min(10.0, deadline - time.monotonic())))
+        try:
+            client_handshake(stream, token, info)
+            return stream
+        except Unanswered as exc:
+            stream.close()
+            tries += 1
+            if time.monotonic() + delay >= deadline:
+                raise WormholeError(f"{exc.message}; {tries} tries in {_RETRY_FOR:g} s or until the timeout",
+                                    peer=exc.where.get("peer"),
+                                    hint="the receiver was busy the whole time (a flood?) or is not a "
+                                         "wormhole receiver") from exc
+            if tries == 1:
+                logger.warning("wormhole.retrying", stream=info.index, error=exc.message)
+            time.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX)
+        except BaseException:
+            stream.close()
+            raise
 
 
 def _send_chunks(stream: Stream, chunks: list[Chunk], sources: list[Source], meter: Meter) -> None:
@@ -79,8 +110,8 @@ def send_state(state: Any, host: str, port: int, token: bytes, *, streams: int =
         sources = [make_source(leaf.value, leaf.path) for leaf in leaves]
         session = secrets.token_bytes(16)
         for index in range(streams):
-            conns.append(transport.connect(host, port, timeout=min(10.0, timeout)))
-            client_handshake(conns[-1], token, StreamInfo(session, index, streams))
+            conns.append(_open_stream(transport, host, port, token, StreamInfo(session, index, streams),
+                                      deadline, logger))
         sizes = [s.spec["n"] for s in sources]
         send_frame(conns[0], msgpack.packb({"skeleton": skeleton, "leaves": [s.spec for s in sources],
                                             "chunk": chunk_bytes}, use_bin_type=True))

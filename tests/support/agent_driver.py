@@ -188,14 +188,45 @@ def read_logs(*paths: Path) -> tuple[dict[tuple[int, int], str], dict[int, str]]
     return losses, finals
 
 
-def handover_ends(transport: str, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the leaving rank's save ``dest``, the joiner's ``source``) for a hand-over through a file
-    or the wormhole (a fresh port and token on this machine)."""
-    if transport == "file":
-        path = {"path": str(tmp / "handover.pt")}
-        return path, path
+def handover_ends() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the leaving rank's save ``dest``, the joiner's ``source``) for a hand-over through the
+    wormhole (a fresh port and token on this machine); commands never carry file paths."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = os.urandom(32).hex()
     return {"host": "127.0.0.1", "port": port, "token": token}, {"listen_host": "127.0.0.1", "port": port, "token": token}
+
+
+class Tap:
+    """A wormhole hop inside the test, between the leaving rank and the joiner: the leaving rank
+    saves to ``dest`` (a receiver of the test's), the tap keeps what arrived (``record()``) and sends
+    it on to the joiner listening at ``source``; so a test can look inside a hand-over."""
+
+    def __init__(self) -> None:
+        from launchpad.wormhole import StateReceiver
+
+        self._onward, self.source = handover_ends()
+        token = os.urandom(32)
+        self._rx = StateReceiver("127.0.0.1", 0, token)
+        self.dest = {"host": "127.0.0.1", "port": self._rx.port, "token": token.hex()}
+        self._got: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._relay, daemon=True, name="test-tap").start()
+
+    def _relay(self) -> None:
+        from launchpad.wormhole import send_state
+
+        try:
+            rec = self._rx.receive(3 * WAIT)
+            self._got.put(rec)
+            send_state(rec, self._onward["host"], self._onward["port"], bytes.fromhex(self._onward["token"]),
+                       timeout=WAIT)
+        except Exception as exc:  # the test sees it through record()
+            self._got.put(exc)
+
+    def record(self) -> dict[str, Any]:
+        """The hand-over record the leaving rank sent."""
+        got = self._got.get(timeout=WAIT)
+        if isinstance(got, Exception):
+            raise got
+        return got

@@ -63,7 +63,8 @@ def test_error_reply_raises_worker_error(tmp_path: Path) -> None:
 
         task = asyncio.create_task(play_worker())
         with pytest.raises(WorkerError, match=r"worker failed save: save\(\) raised KeyError.*rank=3"):
-            await server.request(server.links[4242], ac.message(ac.SAVE, dest={"path": "/x"}),
+            dest = {"host": "127.0.0.1", "port": 9, "token": "ab" * 32}
+            await server.request(server.links[4242], ac.message(ac.SAVE, dest=dest),
                                  lambda r: r["t"] == ac.SAVED, timeout=5)
         await task
 

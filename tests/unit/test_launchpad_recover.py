@@ -17,7 +17,7 @@ import pytest
 from launchpad.channel import ChannelServer
 from launchpad.commands import Commands
 from torchpass_common import agent_channel as ac
-from torchpass_common.errors import MigrationError
+from torchpass_common.errors import MigrationError, ProtocolError
 from torchpass_common.timeouts import Timeouts
 
 DEST = {"host": "10.0.0.9", "port": 7001, "token": "ab" * 32}
@@ -110,3 +110,21 @@ def test_workers_ahead_or_not_registered_are_refused(tmp_path: Path) -> None:
 
     (tmp_path / "ahead").mkdir()
     with_node(tmp_path / "ahead", {0: 5}, ahead)
+
+
+@pytest.mark.security
+def test_a_recover_naming_a_file_path_is_refused_before_any_worker_hears_of_it(tmp_path: Path) -> None:
+    """Commands never carry filesystem paths: load_from (alone or per rank) or a donation's dest
+    with a path is a ProtocolError, and the workers get no recover."""
+    async def body(commands: Commands, workers: dict[int, ac.AsyncChannel], beats: list[int]) -> None:
+        base = {"gen": 2, "world_size": 3, "step": 7, "donate": {"rank": 2, "dest": DEST}}
+        for bad in ({"load_from": {"path": "/tmp/state.pt"}}, {"load_from": {"1": {"path": "/tmp/state.pt"}}},
+                    {"load_from": {**SOURCE, "path": "/tmp/state.pt"}},
+                    {"load_from": SOURCE, "donate": {"rank": 2, "dest": {"path": "/tmp/out.pt"}}}):
+            with pytest.raises(ProtocolError, match="commands never carry filesystem paths"):
+                await commands.recover({**base, **bad}, 2, "r1")
+        for chan in workers.values():  # nothing was sent to them
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(chan.recv(), 0.2)
+
+    with_node(tmp_path, {0: 7, 1: 6}, body)

@@ -91,15 +91,14 @@ def _reference(drivers, script: Path, args: list[str]) -> tuple[dict, dict]:
     return ref_losses, ref_finals
 
 
-def _replace_rank(drivers, script: Path, args: list[str], leaving: int, transport: str,
-                  replicas: dict[int, list[int]]) -> None:
+def _replace_rank(drivers, script: Path, args: list[str], leaving: int, replicas: dict[int, list[int]]) -> None:
     """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
-    (state through a file or the wormhole); losses and final parameters must be bit-identical.
+    (state through the wormhole); losses and final parameters must be bit-identical.
     Each rank reports once which ranks hold its state: ``replicas``."""
     ref_losses, ref_finals = _reference(drivers, script, args)
 
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05", *args], script)
-    dest, source = handover_ends(transport, d.tmp)
+    dest, source = handover_ends()
     joiner_log = d.tmp / "joiner.jsonl"
     joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
     new = d.hellos.get(timeout=WAIT)
@@ -132,7 +131,7 @@ def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
     # replicate x shard on a 2 x 2 mesh: ranks 0 and 2 hold one shard, 1 and 3 the other
-    _replace_rank(drivers, script, [], leaving=2, transport="file", replicas={0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]})
+    _replace_rank(drivers, script, [], leaving=2, replicas={0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]})
 
 
 @pytest.mark.slow
@@ -141,7 +140,7 @@ def test_replacing_a_rank_of_the_fsdp2_example_moves_its_dcp_shards_bit_identica
     """contrib/examples/fsdp_train.py: save/load are DCP get_state_dict/set_state_dict of DTensor
     shards; they cross the wormhole as local shards and become DTensors on the joiner's mesh."""
     alone = {r: [r] for r in range(WORLD)}  # every rank its own shard: no replica (unplanned: requeue)
-    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], leaving=1, transport="wormhole", replicas=alone)
+    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], leaving=1, replicas=alone)
 
 
 @pytest.mark.slow
@@ -149,20 +148,20 @@ def test_a_group_the_script_made_in_its_loop_before_the_move_is_adopted_by_the_j
     """fsdp_train.py --new-group-at 1 makes a group at step 1 (before the pause): the joiner, which
     starts past that step, adopts it from the record; its own new_group of it returns that group."""
     alone = {r: [r] for r in range(WORLD)}
-    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", "fsdp", "--new-group-at", "1"], leaving=3, transport="wormhole",
-                  replicas=alone)
+    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", "fsdp", "--new-group-at", "1"], leaving=3, replicas=alone)
 
 
 @pytest.mark.slow
 def test_a_joiner_that_builds_another_mesh_fails_the_migration_and_the_job_goes_on(drivers, tmp_path):
-    """The joiner sizes its mesh 1 x 4 where the job runs 2 x 2: it reports the first group that
-    differs before it would join; the leaving rank, still parked, is re-formed with the others
-    (as torchpassd's reform back does) and the run ends bit-identical to an undisturbed one."""
+    """The joiner sizes its mesh 1 x 4 where the job runs 2 x 2: its own state, the wormhole's
+    receive template, holds shards of another shape than the donor's, so the transfer is refused
+    and both ends say why; the leaving rank, still parked, is re-formed with the others (as
+    torchpassd's reform back does) and the run ends bit-identical to an undisturbed one."""
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
     ref_losses, ref_finals = _reference(drivers, script, [])
     d = drivers("disagree", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05"], script)
-    dest, source = handover_ends("file", d.tmp)
+    dest, source = handover_ends()
     joiner = d.start(2, d.tmp / "joiner.jsonl", **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source),
                                                    "TEST_MESH_REPLICAS": "1"})
     new = d.hellos.get(timeout=WAIT)
@@ -173,10 +172,11 @@ def test_a_joiner_that_builds_another_mesh_fails_the_migration_and_the_job_goes_
     d.wait_steps(3)
     d.pause_all(gen=2, margin=3)
     d.send(2, ac.SAVE, dest=dest)
-    d.expect(2, ac.SAVED)
+    refused = d.expect(2, ac.ERROR)  # the receiver told the sender why
+    assert "receive template has float32[8, 8]" in refused["msg"], refused["msg"]
     error = new.inbox.get(timeout=WAIT)
     assert error["t"] == ac.ERROR, error
-    assert "disagree about the mesh" in error["msg"], error["msg"]
+    assert "receiving the state failed" in error["msg"] and "receive template has" in error["msg"], error["msg"]
     assert joiner.wait(timeout=WAIT) != 0
     joiner_log = d.tmp / "joiner.jsonl"
     assert not joiner_log.exists() or not joiner_log.read_text()  # it never trained

@@ -71,7 +71,7 @@ def test_hello_and_step_reports_thinned_for_fast_steps(setup):
     assert [r["step"] for r in reports] == sorted(r["step"] for r in reports)
 
 
-def test_parks_after_the_chosen_step_until_resume(setup):
+def test_parks_after_the_chosen_step_until_resume(setup, tmp_path):
     agent, launchpad, train = setup
     launchpad.recv()  # hello
     at_step = steps.current() + 2
@@ -82,10 +82,18 @@ def test_parks_after_the_chosen_step_until_resume(setup):
     assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": at_step}
     assert trainer.is_alive()  # parked before the next iteration's forward
 
-    launchpad.send(ac.message(ac.SAVE, dest={"path": "/nonexistent/x"}))
+    launchpad.send(ac.message(ac.SAVE, dest={"host": "127.0.0.1", "port": 9, "token": "ab" * 32}))
     reply = next_reply(launchpad)
     assert reply["t"] == ac.ERROR and "register" in reply["msg"]  # no save(): reported, still parked
     assert trainer.is_alive()
+
+    # a save to a file path is refused before save() runs: nothing written, still parked
+    saved: list[int] = []
+    agent.save_fn = lambda: saved.append(1) or {"w": torch.ones(2)}
+    launchpad.send(ac.message(ac.SAVE, dest={"path": str(tmp_path / "state.pt")}))
+    reply = next_reply(launchpad)
+    assert reply["t"] == ac.ERROR and "commands never carry filesystem paths" in reply["msg"], reply
+    assert not saved and not (tmp_path / "state.pt").exists() and trainer.is_alive()
 
     launchpad.send(ac.message(ac.RESUME, gen=2))
     assert next_reply(launchpad) == {"t": "resumed", "gen": 2}

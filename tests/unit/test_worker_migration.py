@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.support.agent_driver import WAIT, Driver, handover_ends, read_logs
+from tests.support.agent_driver import WAIT, Driver, Tap, handover_ends, read_logs
 from torchpass_common import agent_channel as ac
 
 STEPS = 40
@@ -57,14 +56,16 @@ def test_pause_reform_resume_is_bit_identical(drivers, reference, step_sleep, ma
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("leaving,transport,early", [(1, "file", False), (0, "wormhole", False), (1, "file", True)],
-                         ids=["rank1-file", "rank0-wormhole", "rank1-file-at-step1"])
+@pytest.mark.parametrize("leaving,transport,early", [(1, "tapped", False), (0, "wormhole", False), (1, "tapped", True)],
+                         ids=["rank1-tapped", "rank0-wormhole", "rank1-tapped-at-step1"])
 def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, leaving, transport, early):
     """``early``: hand over after step 1, before DDP rebuilt its buckets (the joiner then takes
-    part in the live rebuild instead of replaying rank 0's layout)."""
+    part in the live rebuild instead of replaying rank 0's layout). ``tapped``: the record passes
+    through a wormhole hop of the test's (Tap), which looks inside it."""
     ref_losses, ref_finals = reference
     d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.01"])
-    dest, source = handover_ends(transport, d.tmp)
+    tap = Tap() if transport == "tapped" else None
+    dest, source = (tap.dest, tap.source) if tap else handover_ends()
     # The joiner is pre-warmed: it builds its model and DDP with local collectives, alone, and
     # says ready from register(), where it waits for the state. (Started first here so that the
     # short run cannot end before it is ready on a busy machine.)
@@ -96,8 +97,8 @@ def test_replacing_a_rank_by_a_new_process_is_bit_identical(drivers, reference, 
     d.wait_all()
     assert joiner.returncode == 0
 
-    if transport == "file":  # which DDP path the joiner took: replay rank 0's layout, or live rebuild
-        handed = torch.load(source["path"], weights_only=False)["torchpass"]["ddp"]
+    if tap:  # which DDP path the joiner took: replay rank 0's layout, or live rebuild
+        handed = tap.record()["torchpass"]["ddp"]
         assert [layout["state"] for layout in handed] == ["pending" if early else "rebuilt"]
     losses, finals = read_logs(*logs, joiner_log)
     assert losses == ref_losses

@@ -64,7 +64,7 @@ def state(who: str, value: float) -> dict[str, Any]:
     return {"w": torch.full((256, 1024), value), "who": who}
 
 
-def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_group: None, tmp_path: Path) -> None:
+def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_group: None) -> None:
     agent, launchpad = agent_pair()
     loaded: list[Any] = []
     agent.save_fn, agent.load_fn = (lambda: state("template", 0.0)), loaded.append
@@ -82,10 +82,11 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     again = next_reply(launchpad)
     assert (again["t"], again["gen"], again["step"], again["registered"]) == (ac.INTERRUPTED, 1, 6, True)
     assert not loaded  # nothing half-received was loaded
-    path = tmp_path / "donor.pt"
-    handover.send(donor, {"path": str(path)}, rank=0)
-    launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=7, donate=[], load_from={"path": str(path)}))
-    assert next_reply(launchpad)["t"] == ac.READY
+    token2, port2 = secrets.token_bytes(32), free_port()
+    launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=7, donate=[],
+                              load_from={"listen_host": "127.0.0.1", "port": port2, "token": token2.hex()}))
+    assert next_reply(launchpad)["t"] == ac.READY  # listening again, on the new source
+    handover.send(donor, {"host": "127.0.0.1", "port": port2, "token": token2.hex()}, rank=0)
     joined_msg = next_reply(launchpad)
     assert (joined_msg["t"], joined_msg["step"], joined_msg["bytes"]) == (ac.JOINED, 7, 0)
     assert loaded[0]["who"] == "donor" and torch.equal(loaded[0]["w"], donor["user"]["w"])
@@ -118,6 +119,37 @@ def test_without_register_a_recover_is_refused_and_the_rank_stays_interrupted(lo
     launchpad.close()  # launchpad gone: the interrupted rank gives up with a clear error
     waiting.join(10)
     assert isinstance(result[0], WorkerError) and "went away" in str(result[0])
+
+
+@pytest.mark.security
+def test_a_recover_whose_source_or_donation_is_a_file_path_is_refused_and_the_rank_keeps_its_state(
+        local_group: None, tmp_path: Path) -> None:
+    """Commands never carry filesystem paths: a recover loading from a path, or donating to one, is
+    refused before anything is read or written; the rank reports interrupted again and a proper
+    recover then goes through with its own state."""
+    agent, launchpad = agent_pair()
+    own = handover.record(state("own", 4.0), 4, [])
+    result: list[Any] = []
+    waiting = threading.Thread(target=lambda: result.append(recovery.wait_for_recover(agent, own, 4, 1, "lost")),
+                               daemon=True)
+    waiting.start()
+    assert next_reply(launchpad)["t"] == ac.INTERRUPTED
+    planted = tmp_path / "planted.pt"
+    planted.write_bytes(b"not to be read")
+    written = tmp_path / "written.pt"
+    for bad in ({"load_from": {"path": str(planted)}},
+                {"donate": [{"to": 2, "dest": {"path": str(written)}}]},
+                {"donate": [{"to": 2, "dest": {"host": "127.0.0.1", "port": free_port(), "token": "ab" * 32,
+                                               "path": str(written)}}]}):
+        launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=4, **{"donate": [], **bad}))
+        error = next_reply(launchpad)
+        assert error["t"] == ac.ERROR and "commands never carry filesystem paths" in error["msg"], error
+        again = next_reply(launchpad)
+        assert (again["t"], again["step"], again["registered"]) == (ac.INTERRUPTED, 4, True)
+    assert not written.exists() and not result
+    launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=4, donate=[]))
+    waiting.join(10)
+    assert result and result[0].source == {"record": own} and result[0].step == 4
 
 
 def test_only_a_failed_collective_makes_an_interruption(local_group: None) -> None:

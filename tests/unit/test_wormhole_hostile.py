@@ -1,12 +1,14 @@
 """The wormhole against hostile or broken peers over loopback: wrong tokens, strangers, port
-scans, a silent squatter, a fake receiver, a stream cut in the middle and a flipped byte. Each
-gives a clear error or a logged refusal, and nothing partial is ever loaded."""
+scans, silent squatters on every handshake slot, a peer trickling its hello, a fake receiver, a
+stream cut in the middle and a flipped byte. Each gives a clear error or a logged refusal, and
+nothing partial is ever loaded."""
 
 from __future__ import annotations
 
 import secrets
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,50 @@ def test_strangers_are_refused_and_logged_while_the_real_sender_gets_through(log
     assert "no complete hello" in reasons and "bad magic" in reasons and "wrong token" in reasons
     refused = [e for e in logs if e["event"] == "wormhole.refused"]
     assert len(refused) == len(rx.refused) >= 3 and all(e["log_level"] == "warning" for e in refused)
+
+
+@pytest.mark.security
+def test_squatters_holding_every_handshake_slot_delay_the_sender_only_until_their_deadline(logs):
+    """max_handshakes squatters say nothing: the sender's streams are closed at once (shed, logged
+    as a count), it tries again, and gets through once the squatters' deadline freed the slots."""
+    state = _state()
+    with StateReceiver("127.0.0.1", 0, TOKEN, handshake_timeout=1.0, max_handshakes=2) as rx:
+        pending = rx.start(timeout=20)
+        squatters = [socket.create_connection(("127.0.0.1", rx.port)) for _ in range(2)]
+        time.sleep(0.3)  # both are being challenged
+        t0 = time.monotonic()
+        send_state(state, "127.0.0.1", rx.port, TOKEN, timeout=20)
+        waited = time.monotonic() - t0
+        got = pending.result(timeout=20)
+        for s in squatters:
+            s.close()
+    assert torch.equal(got["w"], state["w"])
+    assert rx.shed >= 1 and 0.3 < waited < 5, (rx.shed, waited)
+    assert sum(e["connections"] for e in logs if e["event"] == "wormhole.shed") == rx.shed
+    assert any(e["event"] == "wormhole.retrying" for e in logs)
+    assert sum("no complete hello" in r for r in rx.refused) == 2
+
+
+@pytest.mark.security
+def test_a_peer_trickling_its_hello_is_cut_at_the_handshake_deadline():
+    """One byte every 0.2 s never trips the per-read timeout; the whole handshake's deadline does."""
+    with StateReceiver("127.0.0.1", 0, TOKEN, handshake_timeout=1.0) as rx:
+        pending = rx.start(timeout=20)
+        trickler = socket.create_connection(("127.0.0.1", rx.port))
+        t0 = time.monotonic()
+        cut = None
+        for byte in b"TPWH\x00\x01" + bytes(32):
+            try:
+                trickler.sendall(bytes([byte]))
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+        trickler.close()
+        send_state(_state(), "127.0.0.1", rx.port, TOKEN)
+        pending.result(timeout=20)
+    assert cut is not None and cut < 3, cut  # the 38-byte hello would take 7.6 s
+    assert any("no complete hello" in r and "handshake deadline of 1 s passed" in r for r in rx.refused), rx.refused
 
 
 @pytest.mark.security
