@@ -16,10 +16,12 @@ from typing import Any, Self
 
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError
+from torchpass_common.rate_limit import RateLimit
 
 PROOF = "torchpass-job-proof/v1"
 _PAYLOAD_RE = re.compile(rf"{re.escape(PROOF)} job=([A-Za-z0-9_.-]{{1,64}}) node=([A-Za-z0-9_.-]{{1,128}})")
 MAX_LINE = 4096
+RATE, BURST = 5.0, 20.0  # credential requests a second per peer address (a node's launchpads at job start fit the burst)
 TIMEOUT = 10.0
 
 
@@ -89,6 +91,7 @@ class CredentialServer:
     def __init__(self, host: str, port: int, lookup: Lookup, issue: Issue, *, munge_socket: str = "") -> None:
         self.host, self.port = host, port
         self.lookup, self.issue, self.munge_socket = lookup, issue, munge_socket
+        self._rate = RateLimit(RATE, BURST)
         self._server: asyncio.Server | None = None
         self.log = log.get()
 
@@ -123,8 +126,12 @@ class CredentialServer:
                 await writer.wait_closed()
 
     async def answer(self, line: bytes, *, peer: str = "?") -> dict[str, Any]:
-        """The reply to one request line: the account, or ``ok: false`` with why (also logged)."""
+        """The reply to one request line: the account, or ``ok: false`` with why (also logged).
+        Each peer address gets at most RATE answers a second (each costs two munge calls)."""
         try:
+            if not self._rate.allow(peer):
+                raise CredentialError(f"more than {RATE:g} credential requests a second from {peer}",
+                                      hint="a launchpad asks once at start: retry in a second")
             return {"ok": True, **await self._check_and_issue(line)}
         except TorchPassError as exc:
             self.log.warning("credentials.refused", peer=peer, reason=str(exc))

@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from slurm_plugin.model import Snapshot
 from torchpass_common import log, protocol
+from torchpass_common.rate_limit import RateLimit
 from torchpassd.metrics import Counter
 
 RATE = 50.0  # reports a second per node, sustained (a heartbeat a second and a migration's acks)
 BURST = 200.0
 HOLD_MAX = 1024  # reports held for Slurm's confirmation, over all nodes
-KEEP_MAX = 4096  # rate buckets and log throttles kept before the idle ones are dropped
+KEEP_MAX = 4096  # rate buckets and log throttles kept before the idle ones are forgotten
 LOG_EVERY_S = 10.0  # a refusal repeated for the same node and reason is logged once per this
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    at: float
 
 
 class ReportGate:
@@ -41,8 +35,8 @@ class ReportGate:
                  refused: Counter, *, rate: float = RATE, burst: float = BURST, hold_max: int = HOLD_MAX,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.snapshot, self.moving, self.refused = snapshot, moving, refused
-        self.rate, self.burst, self.hold_max, self.clock = rate, burst, hold_max, clock
-        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self.rate, self.hold_max, self.clock = rate, hold_max, clock
+        self._rate = RateLimit(rate, burst, keep=KEEP_MAX, clock=clock)
         # (job, node, kind) -> (the latest such report, the snapshot it was judged against); in arrival order
         self._held: dict[tuple[str, str, str], tuple[protocol.Message, Snapshot | None]] = {}
         self._jobs: tuple[Snapshot | None, dict[str, frozenset[str]]] = (None, {})
@@ -53,7 +47,8 @@ class ReportGate:
     def admit(self, node: str, msg: protocol.Message) -> list[protocol.Message]:
         """The reports to act on now because ``msg`` arrived from ``node``'s topic: none (held or
         refused), or the reports held for this job and node followed by ``msg``."""
-        if not self._within_rate(msg.job, node):
+        if not self._rate.allow((msg.job, node)):  # per job and node: a flood sent in another job's
+            # name cannot starve the reports of the node's own job
             self._refuse(msg.job, node, msg.kind, "rate",
                          f"more than {self.rate:.0f} reports a second about this node")
             return []
@@ -108,20 +103,6 @@ class ReportGate:
         """A launchpad going offline on a node its job had (it left the job, Slurm already shows
         it gone): believed, as it can only make torchpassd count on that node less."""
         return (msg.job, node) in self._had and msg.kind == protocol.STATE and not msg.body.get("online")
-
-    def _within_rate(self, job: str, node: str) -> bool:
-        """A token bucket per job and node: a flood sent in another job's name cannot starve
-        the reports of the node's own job."""
-        now = self.clock()
-        if len(self._buckets) > KEEP_MAX:  # names are cheap to invent: drop the full, idle buckets
-            full_after = self.burst / self.rate
-            self._buckets = {k: b for k, b in self._buckets.items() if now - b.at < full_after}
-        b = self._buckets.setdefault((job, node), _Bucket(self.burst, now))
-        b.tokens, b.at = min(self.burst, b.tokens + (now - b.at) * self.rate), now
-        if b.tokens < 1.0:
-            return False
-        b.tokens -= 1.0
-        return True
 
     def _hold(self, node: str, msg: protocol.Message, snap: Snapshot | None) -> None:
         key = (msg.job, node, msg.kind)

@@ -15,7 +15,7 @@ from tests.integration.test_broker_security import sync
 from tests.support.broker import Mosquitto
 from tests.support.munge import munged  # noqa: F401 - fixture
 from torchpass_common import mqtt, protocol
-from torchpass_common.job_credentials import PROOF, CredentialError, CredentialServer, JobFacts, fetch
+from torchpass_common.job_credentials import BURST, PROOF, CredentialError, CredentialServer, JobFacts, fetch
 from torchpassd.broker_auth import BrokerAdmin
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.security, pytest.mark.timeout(120)]
@@ -50,15 +50,15 @@ def proof(job: str, node: str, sock: str, *, uid: int | None = None) -> str:
 
 
 @sync
-async def test_launchpad_gets_a_working_account(secure_mosquitto: Mosquitto, munged: str, tmp_path: Path) -> None:  # noqa: F811
-    admin = BrokerAdmin(secure_mosquitto.config(), tmp_path / "secret")
+async def test_launchpad_gets_a_working_account(mosquitto: Mosquitto, munged: str, tmp_path: Path) -> None:  # noqa: F811
+    admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
     s = Server(admin, munged)
     async with s.srv:
         creds = await fetch(f"127.0.0.1:{s.srv.port}", "100", "na2", munge_socket=munged)
         with pytest.raises(CredentialError, match="node nb1 is not one of job 100's nodes"):
             await fetch(f"127.0.0.1:{s.srv.port}", "100", "nb1", munge_socket=munged)
     assert creds == (admin.username("100"), admin.password("100")) and s.issued == ["100"]
-    async with mqtt.ControlClient(secure_mosquitto.config(), "lp-100", credentials=creds) as lp:
+    async with mqtt.ControlClient(mosquitto.config(), "lp-100", credentials=creds) as lp:
         await lp.wait_connected(10)
         await lp.publish(protocol.hb_topic("100", "na2"), b"x", timeout=5)
 
@@ -126,3 +126,17 @@ async def test_server_survives_hostile_connections(munged: str) -> None:  # noqa
             assert reply == b"" or b'"ok":false' in reply, reply
         assert await fetch(f"127.0.0.1:{s.srv.port}", "200", "nb1", munge_socket=munged)
     assert s.issued == ["200"]
+
+
+@sync
+async def test_a_flood_of_requests_from_one_address_is_cut_to_the_rate(munged: str) -> None:  # noqa: F811
+    """Each request costs torchpassd two munge calls: one address gets the burst, then at most the
+    rate; another address (a real node's launchpad) is still answered."""
+    s = Server(None, munged)
+    line = f'{{"credential": "{proof("200", "nb1", munged)}"}}\n'.encode()
+    replies = [await s.srv.answer(line, peer="10.9.9.9") for _ in range(40)]
+    limited = ["credential requests a second from 10.9.9.9" in (r.get("error") or "") for r in replies]
+    assert limited == [False] * int(BURST) + [True] * (40 - int(BURST))
+    assert replies[0]["ok"] and s.issued == ["200"]  # the rest of the burst: refused as replays
+    fresh = f'{{"credential": "{proof("200", "nb1", munged)}"}}\n'.encode()
+    assert (await s.srv.answer(fresh, peer="10.9.9.10"))["ok"]
