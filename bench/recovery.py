@@ -164,11 +164,10 @@ class _Daemon:
         from torchpass_common import config
         from torchpassd.ctl_client import DaemonClient
 
-        b = cluster.info["broker"]
         path = workdir / "torchpass.toml"
-        path.write_text(f'[broker]\nhost = "{b["host"]}"\nport = {b["port"]}\n[slurm]\nslurm_conf = '
-                        f'"{cluster.slurm_conf}"\nbackend = "commands"\npoll_interval = 0.5\n[orchestrator]\n'
-                        f'state_dir = "{workdir / "state"}"\ncontrol_socket = "{workdir / "tpd.sock"}"\nmetrics_port = 0\n')
+        path.write_text(config.derive(Path(cluster.info["torchpass_config"]).read_text(), {
+            "slurm": {"slurm_conf": str(cluster.slurm_conf), "backend": "commands", "poll_interval": 0.5},
+            "orchestrator": {"state_dir": str(workdir / "state"), "control_socket": str(workdir / "tpd.sock")}}))
         self.cfg = config.load(str(path))
         self.client = DaemonClient(workdir / "tpd.sock", timeout=30)
         with open(workdir / "torchpassd.log", "ab") as out:

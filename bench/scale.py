@@ -79,7 +79,7 @@ async def _launchpad(broker: Any, job: str, node: str, rank: int, interval: floa
 async def _publishers(spec: dict[str, Any], index: int, count: int) -> None:
     from torchpass_common.config import BrokerConfig
 
-    broker = BrokerConfig(host=spec["broker"]["host"], port=spec["broker"]["port"], keepalive=10)
+    broker = BrokerConfig(**{**spec["broker"], "keepalive": 10})  # torchpassd's account: it may speak for every job
     topo = Topology(**spec["topology"])
     mine = [(str(job), node, rank) for job, nodes in topo.jobs().items() for rank, node in enumerate(nodes)][index::count]
     stop, ready = asyncio.Event(), []
@@ -166,7 +166,7 @@ def _decision(client: Any, job: str, node: str) -> dict[str, Any] | None:
 def run(topo: Topology, *, drains: int, cpu_window: float, publishers: int, poll_interval: float,
         workdir: Path) -> dict[str, Any]:
     from tests.support.broker import Mosquitto
-    from torchpass_common.config import Timeouts
+    from torchpass_common.config import Timeouts, render
     from torchpassd.ctl_client import DaemonClient
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per simulated launchpad
@@ -180,13 +180,13 @@ def run(topo: Topology, *, drains: int, cpu_window: float, publishers: int, poll
     children = _Children()
     broker = Mosquitto(workdir / "mosquitto")
     broker.conf.write_text(broker.conf.read_text().replace("log_type all", "log_type warning"))
-    spec = {"topology": topo.as_dict(), "broker": {"host": broker.host, "port": broker.port},
+    spec = {"topology": topo.as_dict(), "broker": broker.section(),
             "drains": str(workdir / "drains.json"), "interval": interval, "sample_interval": 5.0, "t0": time.time()}
     (workdir / "spec.json").write_text(json.dumps(spec))
     sock = workdir / "tpd.sock"
     (workdir / "torchpass.toml").write_text(
-        f'[broker]\nhost = "{broker.host}"\nport = {broker.port}\n[slurm]\npoll_interval = {poll_interval}\n'
-        f'[orchestrator]\nstate_dir = "{workdir / "state"}"\ncontrol_socket = "{sock}"\nmetrics_port = 0\n')
+        render({"broker": broker.section(), "slurm": {"poll_interval": poll_interval},
+                "orchestrator": {"state_dir": str(workdir / "state"), "control_socket": str(sock), "metrics_port": 0}}))
     client = DaemonClient(sock, timeout=30)
     result: dict[str, Any] = {"nodes": topo.size, **topo.as_dict(), "spares": len(topo.spares()), "jobs": len(jobs),
                               "heartbeating_nodes": n_lp, "heartbeat_interval_s": interval,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchpad.commands import Commands
 from launchpad.telemetry.sampler import Sampler
-from torchpass_common import job_credentials, log, mqtt, protocol, rank_ranges
+from torchpass_common import broker_check, job_credentials, log, mqtt, protocol, rank_ranges
 from torchpass_common.errors import TorchPassError
 from torchpass_common.tasks import cancel_all
 
@@ -48,8 +48,10 @@ class ControlPlane:
 
     async def __aenter__(self) -> ControlPlane:
         orch = self.agent.config.orchestrator
-        if orch.credentials_endpoint and not self.agent.config.broker.username:
-            # The job's own broker account, for a munge proof of this job and node (job_credentials).
+        await broker_check.require_secure(self.agent.config.broker, f"launchpad on {self.node}")
+        if orch.credentials_endpoint:
+            # The job's own broker account, for a munge proof of this job and node (job_credentials);
+            # the site config's broker.username/password_file are torchpassd's, not the job's.
             self.client = self._client(await job_credentials.fetch(
                 orch.credentials_endpoint, self.job, self.node, munge_socket=orch.munge_socket,
                 wait=self.agent.timeouts.reform))

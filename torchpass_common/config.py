@@ -32,6 +32,7 @@ class BrokerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     keepalive: int = 5
+    allow_insecure: bool = False  # accept plain MQTT and a broker open to anonymous clients (warned at every start)
 
 
 @dataclass(frozen=True)
@@ -223,3 +224,42 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
     return parse(text, str(p))
+
+
+Sections = dict[str, dict[str, Any]]
+
+
+def render(sections: Sections) -> str:
+    """TOML text of ``sections`` (section -> key -> string, number, boolean or list of those), as
+    a torchpass.toml holds them; tools use it to write the configs they hand to torchpassd."""
+    out = []
+    for name, keys in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+    return "\n".join(out) + "\n"
+
+
+def derive(text: str, overrides: Sections) -> str:
+    """The TOML ``text`` of a config with ``overrides`` applied (a value of None removes the key),
+    e.g. a site's torchpass.toml given another state_dir for a second torchpassd."""
+    sections: Sections = {name: dict(keys) for name, keys in tomllib.loads(text).items()}
+    for name, keys in overrides.items():
+        section = sections.setdefault(name, {})
+        for key, value in keys.items():
+            if value is None:
+                section.pop(key, None)
+            else:
+                section[key] = value
+    return render(sections)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | os.PathLike):
+        return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {type(value).__name__} {value!r} into a TOML config")

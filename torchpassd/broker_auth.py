@@ -7,7 +7,6 @@ password is derived from a secret in torchpassd's state dir, so a restarted torc
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import hmac
 import json
@@ -16,7 +15,6 @@ import pwd
 import secrets
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -29,88 +27,15 @@ from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import BrokerConfig, Config
 from torchpass_common.errors import ConfigError, TorchPassError
 from torchpass_common.job_credentials import CredentialServer, JobFacts
+from torchpassd.broker_files import CONTROL_TOPIC, acls, write_broker_files
+from torchpassd.broker_tls import make_broker_tls
 
-DYNSEC_PLUGIN = Path("/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so")
-CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
-ADMIN_ROLE = "torchpassd"
 JOB_PREFIX = "tp-job-"
-PBKDF2_ITERATIONS = 101  # what mosquitto_ctrl writes; the plugin reads the count from the file
 CALL_TIMEOUT = 10.0
-_OWNED = ("publishClientSend", "publishClientReceive", "subscribePattern", "unsubscribePattern")
 
 
 class BrokerAuthError(TorchPassError):
     """The broker's dynamic security plugin refused or did not answer a command."""
-
-
-def _acls(topic_filter: str) -> list[dict[str, Any]]:
-    return [{"acltype": t, "topic": topic_filter, "allow": True} for t in _OWNED]
-
-
-def hashed(password: str, salt: bytes | None = None) -> dict[str, Any]:
-    """``password``, salt and iterations as the plugin stores them (PBKDF2-SHA512, base64)."""
-    salt = salt or os.urandom(12)
-    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, PBKDF2_ITERATIONS, 64)
-    return {"password": base64.b64encode(digest).decode(), "salt": base64.b64encode(salt).decode(),
-            "iterations": PBKDF2_ITERATIONS}
-
-
-def dynsec_document(admin_user: str, admin_password: str) -> dict[str, Any]:
-    """The plugin's initial state: torchpassd's admin client (administers the plugin, reads and
-    writes every TorchPass topic), nothing for anyone else (default deny for publish/subscribe)."""
-    role = {"rolename": ADMIN_ROLE, "acls": [*_acls(f"{CONTROL_TOPIC.rsplit('/', 1)[0]}/#"),
-                                             *_acls(f"{protocol.TOPIC_ROOT.split('/', 1)[0]}/#")]}
-    client = {"username": admin_user, "textName": "torchpassd (admin)", **hashed(admin_password),
-              "roles": [{"rolename": ADMIN_ROLE}]}
-    return {"clients": [client], "roles": [role], "groups": [],
-            "defaultACLAccess": {"publishClientSend": False, "publishClientReceive": True,
-                                 "subscribe": False, "unsubscribe": True}}
-
-
-@dataclass(frozen=True)
-class BrokerFiles:
-    conf: Path
-    dynsec: Path
-    password_file: Path
-
-
-def write_broker_files(directory: str | os.PathLike[str], *, port: int, host: str = "",
-                       admin_user: str = "torchpassd", tls: tuple[str, str, str] | None = None,
-                       broker_user: str = "mosquitto", plugin: Path = DYNSEC_PLUGIN) -> BrokerFiles:
-    """Write mosquitto.conf (authenticated listener, the dynamic security plugin, TLS when ``tls``
-    = (ca, cert, key) is given), dynamic-security.json and torchpassd's password file (0600) into
-    ``directory``. The admin password is fresh; the files are the broker's state from then on.
-    mosquitto runs as ``broker_user`` and rewrites the plugin's file: run as root, this gives it
-    the directory and that file."""
-    if not plugin.exists():
-        raise ConfigError(f"mosquitto's dynamic security plugin {plugin} is missing",
-                          hint="install mosquitto 2.0 or newer (Debian: apt install mosquitto)")
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    password = secrets.token_urlsafe(24)
-    files = BrokerFiles(d / "mosquitto.conf", d / "dynamic-security.json", d / "broker.password")
-    for path, text in ((files.password_file, password + "\n"),
-                       (files.dynsec, json.dumps(dynsec_document(admin_user, password), indent=1))):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-    if os.geteuid() == 0 and broker_user != "root":
-        try:
-            pw = pwd.getpwnam(broker_user)
-        except KeyError:
-            raise ConfigError(f"the broker's user {broker_user} does not exist",
-                              hint="install mosquitto or pass the user mosquitto runs as") from None
-        for path in (d, files.dynsec):
-            os.chown(path, pw.pw_uid, pw.pw_gid)
-    lines = [f"user {broker_user}", f"listener {port} {host}".rstrip(), "allow_anonymous false",
-             "per_listener_settings false",
-             f"plugin {plugin}", f"plugin_opt_config_file {files.dynsec}"]
-    if tls:
-        ca, cert, key = tls
-        lines += [f"cafile {ca}", f"certfile {cert}", f"keyfile {key}", "tls_version tlsv1.2"]
-    files.conf.write_text("# written by torchpassd.broker_auth: authenticated TorchPass broker\n"
-                          + "\n".join(lines) + "\n")
-    return files
 
 
 class BrokerAdmin:
@@ -154,7 +79,7 @@ class BrokerAdmin:
         disconnect the job's launchpads (the password is derived, so it is the same anyway)."""
         name, password = self.username(job), self.password(job)
         await self._call([
-            {"command": "createRole", "rolename": name, "acls": _acls(protocol.job_filter(job))},
+            {"command": "createRole", "rolename": name, "acls": acls(protocol.job_filter(job))},
             {"command": "createClient", "username": name, "password": password,
              "textName": f"TorchPass job {job}", "roles": [{"rolename": name}]}],
             tolerate=("already exists",))
@@ -291,19 +216,25 @@ class JobAccounts:
 @click.option("--admin-user", default="torchpassd", show_default=True, help="torchpassd's broker account.")
 @click.option("--broker-user", default="mosquitto", show_default=True, help="User mosquitto runs as.")
 @click.option("--tls", nargs=3, type=click.Path(dir_okay=False), default=None, metavar="CA CERT KEY",
-              help="Serve TLS with this CA, certificate and key.")
+              help="Serve TLS with this CA, certificate and key (the site's own PKI).")
+@click.option("--tls-for", "tls_for", multiple=True, metavar="ADDR",
+              help="Make a private CA and a certificate for this address or name (repeat for each) in "
+                   "DIRECTORY/tls and serve TLS with them; clients set broker.tls_ca to DIRECTORY/tls/ca.crt.")
 def main(directory: str, port: int, host: str, admin_user: str, broker_user: str,
-         tls: tuple[str, str, str] | None) -> None:
+         tls: tuple[str, str, str] | None, tls_for: tuple[str, ...]) -> None:
     """Write an authenticated broker's files into DIRECTORY: mosquitto.conf (include it from
     /etc/mosquitto/conf.d), the dynamic security file, and torchpassd's password file."""
     try:
+        if tls_for and not tls:
+            tls = make_broker_tls(Path(directory) / "tls", list(tls_for)).as_tuple()
         files = write_broker_files(directory, port=port, host=host, admin_user=admin_user,
                                    broker_user=broker_user, tls=tls or None)
     except (TorchPassError, OSError) as exc:
         click.echo(f"torchpassd.broker_auth: {exc}", err=True)
         raise SystemExit(1) from None
     click.echo(f"wrote {files.conf}, {files.dynsec}, {files.password_file}\n"
-               f"torchpassd's config: [broker] username = \"{admin_user}\", password_file = \"{files.password_file}\"")
+               f"torchpassd's config: [broker] username = \"{admin_user}\", password_file = \"{files.password_file}\""
+               + (f", tls_ca = \"{tls[0]}\" (every client's too)" if tls else ""))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from slurm_plugin.resize import JobResizer
 from slurm_plugin.runner import SlurmRunner
 from slurm_plugin.spares import SparePool, spares_of
 from slurm_plugin.watcher import Watcher
-from torchpass_common import log, mqtt, protocol
+from torchpass_common import broker_check, log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
 from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
@@ -424,6 +424,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     started = time.time()
+    await broker_check.require_secure(cfg.broker, "torchpassd")
     async with mqtt.ControlClient(cfg.broker, f"torchpassd-{socket.gethostname()}-{os.getpid()}") as client:
         for kind in (protocol.STATE, protocol.HEARTBEAT, protocol.ACK):
             await client.subscribe(protocol.nodes_filter(kind))

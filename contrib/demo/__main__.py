@@ -42,6 +42,8 @@ def drill(env: dict[str, str], jobs: Path) -> None:
     import signal
     import time
 
+    from torchpass_common.config import derive
+
     info = json.loads(run([sys.executable, str(TOOL), "status", "--json"], env, capture=True).stdout)
     conf_dir = jobs / "demo-torchpass"
     conf_dir.mkdir(mode=0o755, exist_ok=True)
@@ -50,9 +52,10 @@ def drill(env: dict[str, str], jobs: Path) -> None:
     if not (conf_dir / "cli_filter.lua").exists():
         (conf_dir / "cli_filter.lua").symlink_to(ROOT / "spank" / "cli_filter.lua")
     config = conf_dir / "torchpass.toml"
-    config.write_text(f'[broker]\nhost = "{info["broker"]["host"]}"\nport = {info["broker"]["port"]}\n'
-                      f'[slurm]\nslurm_conf = "{client_conf}"\n[orchestrator]\nstate_dir = "{conf_dir / "state"}"\n'
-                      f'control_socket = "{conf_dir / "torchpassd.sock"}"\nmetrics_port = 0\n')
+    site = Path(info["torchpass_config"]).read_text()  # the cluster's broker: accounts and TLS
+    config.write_text(derive(site, {"slurm": {"slurm_conf": str(client_conf)},
+                                    "orchestrator": {"state_dir": str(conf_dir / "state"),
+                                                     "control_socket": str(conf_dir / "torchpassd.sock")}}))
     bindir = Path(sys.executable).parent
     with open(conf_dir / "torchpassd.log", "ab") as log:
         daemon = subprocess.Popen([str(bindir / "torchpassd"), "--config", str(config)], stdout=log,

@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(
   slurm-wlm slurmctld slurmd slurmdbd slurmrestd libslurm-dev slurm-client
-  munge mariadb-server mosquitto mosquitto-clients
+  munge mariadb-server mosquitto mosquitto-clients openssl
   iproute2 procps psmisc util-linux bc curl gcc make sqlite3 ca-certificates
   python3 python3-venv python3-dev systemd
 )

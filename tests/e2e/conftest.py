@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.devcluster import DevCluster
+from torchpass_common.config import derive
 from torchpass_common.errors import TorchPassError
 from torchpassd.ctl_client import DaemonClient
 from torchpassd.drill import EXAMPLE, read_log
@@ -25,7 +26,7 @@ from torchpassd.drill import EXAMPLE, read_log
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "rolled_back")
 # Short decision timeouts so a failure shows within a test; they must still nest.
-TIMEOUTS = "[timeouts]\ncollective = 10.0\nstep = 20.0\nreform = 30.0\ndecision = 90.0\n"
+TIMEOUTS = {"collective": 10.0, "step": 20.0, "reform": 30.0, "decision": 90.0}
 
 
 def install_site_config(cluster: DevCluster, config: Path) -> None:
@@ -85,13 +86,12 @@ def tp_config(devcluster: DevCluster, e2e_dir: Path) -> Path:
     lua = e2e_dir / "cli_filter.lua"
     if not lua.exists():
         lua.symlink_to(ROOT / "spank" / "cli_filter.lua")
-    broker = devcluster.info["broker"]
     path = e2e_dir / "torchpass.toml"
-    path.write_text(
-        f'[broker]\nhost = "{broker["host"]}"\nport = {broker["port"]}\n'
-        f'[slurm]\nslurm_conf = "{client_conf}"\nbackend = "commands"\npoll_interval = 0.5\n'
-        f'[orchestrator]\nstate_dir = "{e2e_dir / "state"}"\ncontrol_socket = "{e2e_dir / "tpd.sock"}"\n'
-        f"metrics_port = 0\n" + TIMEOUTS)
+    site = Path(devcluster.info["torchpass_config"]).read_text()  # the broker with accounts and TLS
+    path.write_text(derive(site, {
+        "slurm": {"slurm_conf": str(client_conf), "backend": "commands", "poll_interval": 0.5},
+        "orchestrator": {"state_dir": str(e2e_dir / "state"), "control_socket": str(e2e_dir / "tpd.sock")},
+        "timeouts": TIMEOUTS}))
     return path
 
 

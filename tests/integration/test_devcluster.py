@@ -47,8 +47,11 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
     info = devcluster.info
     assert info["up"] is True and info["id"] == devcluster.id
     assert Path(info["slurm_conf"]).is_file() and Path(info["state_dir"]).is_dir()
-    assert info["broker"] == {"host": f"10.77.{devcluster.id}.1", "port": 20083 + 100 * devcluster.id,
-                              "local_host": "127.0.0.1"}
+    broker = info["broker"]
+    assert (broker["host"], broker["port"]) == (f"10.77.{devcluster.id}.1", 20083 + 100 * devcluster.id)
+    assert Path(broker["tls_ca"]).is_file() and broker["username"] == "torchpassd"
+    assert Path(broker["password_file"]).stat().st_mode & 0o077 == 0  # torchpassd's password: root's only
+    assert info["credentials"]["credentials_endpoint"] == f"10.77.{devcluster.id}.1:{20084 + 100 * devcluster.id}"
     assert [n["name"] for n in info["nodes"]] == ["n1", "n2", "n3", "n4", "n5"]
     assert [n["spare"] for n in info["nodes"]] == [False] * 4 + [True]
     assert all(n["addr"] == f"10.77.{devcluster.id}.{10 + i}" for i, n in enumerate(info["nodes"], 1))
@@ -57,6 +60,22 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
     assert info["spare_reservation"] == {"name": "torchpass_spares", "nodes": ["n5"]}
     for daemon in ("munged", "mariadbd", "slurmdbd", "slurmctld", "mosquitto", "slurmd.n1", "slurmd.n5"):
         assert Path(f"/proc/{info['daemons'][daemon]}").exists(), daemon
+
+
+@slurm
+@pytest.mark.security
+def test_the_broker_refuses_anonymous_clients_and_plain_mqtt(devcluster: DevCluster) -> None:
+    """What an operator tries first: publishing a command with no account. With the cluster's CA
+    the broker answers "not authorised" (a refusal, not a connection error); without TLS the
+    client gets nowhere; from inside a node the same."""
+    b = devcluster.info["broker"]
+    pub = ["mosquitto_pub", "-h", b["host"], "-p", str(b["port"]), "-t", "torchpass/v1/jobs/1/nodes/n1/cmd", "-m", "x"]
+    refused = subprocess.run([*pub, "--cafile", b["tls_ca"]], capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "not authori" in (refused.stdout + refused.stderr).lower(), refused
+    plain = subprocess.run(pub, capture_output=True, text=True, timeout=30)
+    assert plain.returncode != 0 and "not authori" not in (plain.stdout + plain.stderr).lower(), plain
+    inside = devcluster.exec("n3", [*pub, "--cafile", b["tls_ca"]], check=False)
+    assert inside.returncode != 0 and "not authori" in (inside.stdout + inside.stderr).lower(), inside
 
 
 @slurm

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from test_launchpad_training import (
 
 from tests.support.broker import Mosquitto
 from torchpass_common import mqtt, protocol
+from torchpass_common.config import render
 
 procs = lt.procs
 torchrun_reference = lt.torchrun_reference
@@ -94,8 +96,7 @@ async def orchestrator(broker: Mosquitto, cls: type[Orchestrator] = Orchestrator
 def start_launchpad(procs: Procs, tmp_path: Path, broker: Mosquitto, steps: int, pace: float,
                     script_text: str = lt.TRAIN_SCRIPT) -> Any:
     config = tmp_path / "torchpass.toml"
-    config.write_text(f"[broker]\nhost = '{broker.host}'\nport = {broker.port}\nkeepalive = 2\n"
-                      f"[timeouts]\nheartbeat_interval = {HB_INTERVAL}\n")
+    config.write_text(render({"broker": broker.section(keepalive=2), "timeouts": {"heartbeat_interval": HB_INTERVAL}}))
     out = tmp_path / "out"
     out.mkdir()
     script = write_script(tmp_path, script_text)
@@ -104,6 +105,18 @@ def start_launchpad(procs: Procs, tmp_path: Path, broker: Mosquitto, steps: int,
                        env={"TORCHPASS_LOG_LEVEL": "info"},  # all of its log in
                        log=tmp_path / "launchpad.log")  # the file shown on failure
     return proc, out
+
+
+async def wait_listening(port: int, timeout: float = 120.0) -> None:
+    """Until something listens on 127.0.0.1:``port`` (a joiner's wormhole receiver)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"nothing listens on port {port}"
+        await asyncio.sleep(0.1)
 
 
 async def wait_exit(proc: Any, timeout: float = 120.0) -> None:
@@ -159,21 +172,32 @@ def test_pause_reform_resume_is_bit_identical(procs: Procs, tmp_path: Path, mosq
 
 def test_a_new_process_takes_over_a_rank_bit_identically(procs: Procs, tmp_path: Path, mosquitto: Mosquitto,
                                                          torchrun_reference: TorchrunReference) -> None:
-    """The local migration flow: pause, start a joiner for rank 1, the old rank 1 saves its state to
-    a file, exits; rank 0 and the joiner re-form as generation 2 and resume. (torchpassd starts the
-    joiner before the pause to keep the pause short; here the pause comes first so that a joiner
-    slow to import torch on a loaded machine cannot find the short run already over.)"""
-    steps, handover = 300, tmp_path / "rank1.state"
+    """The local migration flow: pause, start a joiner for rank 1, the old rank 1 sends its state
+    through the wormhole to the joiner's receiver, exits; rank 0 and the joiner re-form as generation
+    2 and resume. A start_joiner or save naming a file path is refused first (commands never carry
+    paths). (torchpassd starts the joiner before the pause to keep the pause short; here the pause
+    comes first so that a joiner slow to import torch on a loaded machine cannot find the short run
+    already over.)"""
+    steps, port, token = 300, lt.free_port(), secrets.token_hex(32)
 
     async def drive() -> None:
         async with orchestrator(mosquitto) as orch:
             proc, out = start_launchpad(procs, tmp_path, mosquitto, steps, 0.02, lt.HANDOVER_SCRIPT)
             await orch.until(lambda: orch.steps() and min(orch.steps()) >= 3)
             at, _ = await pause_somewhere_ahead(orch, 20)
-            ack = await orch.command("start_joiner", {"rank": 1, "source": {"path": str(handover)}}, gen=2)
+            planted = tmp_path / "rank1.state"
+            for cmd, args in (("start_joiner", {"rank": 1, "source": {"path": str(planted)}}),
+                              ("save", {"rank": 1, "dest": {"path": str(planted)}})):
+                ack = await orch.command(cmd, args, gen=2, migration="paths")  # its own: acks are kept per command
+                assert not ack.body["ok"] and "commands never carry filesystem paths" in ack.body["error"], ack.body
+            assert not planted.exists()
+            source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+            ack = await orch.command("start_joiner", {"rank": 1, "source": source}, gen=2)
             assert ack.body["ok"], ack.body["error"]
             joiner = ack.body["result"]["pid"]
-            for cmd, args in (("save", {"rank": 1, "dest": {"path": str(handover)}}), ("exit", {"rank": 1}),
+            await wait_listening(port)  # as torchpassd does: the joiner sits in register()
+            dest = {"host": "127.0.0.1", "port": port, "token": token}
+            for cmd, args in (("save", {"rank": 1, "dest": dest}), ("exit", {"rank": 1}),
                               ("reform", {}), ("resume", {})):
                 ack = await orch.command(cmd, args, gen=2)
                 assert ack.body["ok"], f"{cmd}: {ack.body['error']}"
@@ -208,7 +232,8 @@ def test_repeated_commands_are_executed_once_and_garbage_is_dropped(procs: Procs
             await orch.until(lambda: len(orch.acks.get(cid, [])) == 2)
             first, second = orch.acks[cid]
             assert first.body == second.body and first.body["ok"]
-            bad = await orch.command("save", {"rank": 9, "dest": {"path": str(tmp_path / "x")}}, gen=2)
+            bad = await orch.command("save", {"rank": 9, "dest": {"host": "127.0.0.1", "port": lt.free_port(),
+                                                                  "token": "ab" * 32}}, gen=2)
             assert not bad.body["ok"] and "rank=9" in bad.body["error"]
             ack = await orch.command("resume", {}, gen=1, migration="dup")
             assert ack.body["ok"], ack.body["error"]

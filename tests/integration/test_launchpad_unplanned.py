@@ -25,6 +25,7 @@ from test_launchpad_training import Procs, TorchrunReference, launchpad_argv, re
 
 from tests.support.broker import Mosquitto
 from torchpass_common import protocol
+from torchpass_common.config import render
 
 procs = lt.procs
 torchrun_reference = lt.torchrun_reference
@@ -101,8 +102,8 @@ class Orchestrator(lc.Orchestrator):
 def start_nodes(procs: Procs, tmp_path: Path, broker: Mosquitto, fault: dict[str, Any],
                 script_text: str = SCRIPT) -> tuple[list, Path]:
     config = tmp_path / "torchpass.toml"
-    config.write_text(f"[broker]\nhost = '{broker.host}'\nport = {broker.port}\nkeepalive = 2\n"
-                      f"[timeouts]\nheartbeat_interval = {lc.HB_INTERVAL}\ncollective = {COLLECTIVE}\n")
+    config.write_text(render({"broker": broker.section(keepalive=2),
+                               "timeouts": {"heartbeat_interval": lc.HB_INTERVAL, "collective": COLLECTIVE}}))
     out, marks = tmp_path / "out", tmp_path / "marks"
     out.mkdir()
     marks.mkdir()

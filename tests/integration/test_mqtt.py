@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import structlog
 
 from torchpass_common import log, protocol
 from torchpass_common.mqtt import BrokerUnavailableError, ControlClient
+from torchpassd.broker_auth import BrokerAdmin
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,15 +68,16 @@ import asyncio, sys
 from torchpass_common import protocol
 from torchpass_common.config import BrokerConfig
 from torchpass_common.mqtt import ControlClient
-port, job, node = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+port, job, node, ca, user, password = int(sys.argv[1]), *sys.argv[2:7]
 topic = protocol.state_topic(job, node)
 def state(online):
     return protocol.encode("state", job=job, gen=0, body={"node": node, "online": online})
 async def announce(client):
     await client.publish(topic, state(True), retain=True)
 async def main():
-    cfg = BrokerConfig(host="127.0.0.1", port=port, keepalive=5)
-    async with ControlClient(cfg, "lp-" + node, will=(topic, state(False)), on_connect=announce) as c:
+    cfg = BrokerConfig(host="127.0.0.1", port=port, keepalive=5, tls_ca=ca)
+    async with ControlClient(cfg, "lp-" + node, will=(topic, state(False)), on_connect=announce,
+                             credentials=(user, password)) as c:
         await c.wait_connected(10)
         print("ready", flush=True)
         await asyncio.sleep(120)
@@ -82,9 +85,15 @@ asyncio.run(main())
 """
 
 
-def test_last_will_reports_a_killed_client_offline(mosquitto):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(mosquitto.port), JOB, NODE], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)
+def job_account(mosquitto, tmp_path: Path) -> tuple[str, str]:
+    """The broker account torchpassd gives job JOB (what its launchpads publish with)."""
+    return run(BrokerAdmin(mosquitto.config(), tmp_path / "secret").ensure_job(JOB))
+
+
+def test_last_will_reports_a_killed_client_offline(mosquitto, tmp_path):
+    user, password = job_account(mosquitto, tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(mosquitto.port), JOB, NODE, mosquitto.tls_ca,
+                              user, password], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         async def scenario() -> float:
             async with ControlClient(mosquitto.config(), "orch") as orch:
@@ -151,8 +160,10 @@ def test_publish_waits_out_a_short_outage_and_fails_clearly_on_a_long_one(mosqui
     run(scenario(), 45)
 
 
-def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto):
+def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto, tmp_path):
+    """Sent with job JOB's own account (a job's user is the one who can reach its topics)."""
     log.setup("info")
+    user, password = job_account(mosquitto, tmp_path)
     oversized = b"\x91" * (protocol.MAX_MESSAGE_BYTES + 1)
     wrong_job = protocol.encode("heartbeat", job="other", gen=1,
                                 body={"node": NODE, "seq": 1, "workers": []})
@@ -163,7 +174,9 @@ def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto
         async with ControlClient(mosquitto.config(), "orch") as orch:
             await orch.wait_connected(10)
             await orch.subscribe(protocol.nodes_filter("heartbeat", job=JOB))
-            async with aiomqtt.Client(mosquitto.host, mosquitto.port, identifier="stranger") as raw:
+            async with aiomqtt.Client(mosquitto.host, mosquitto.port, identifier="job-user", username=user,
+                                      password=password,
+                                      tls_context=ssl.create_default_context(cafile=mosquitto.tls_ca)) as raw:
                 for payload in [*hostile, heartbeat(3)]:
                     await raw.publish(protocol.hb_topic(JOB, NODE), payload, qos=1)
             return (await next_message(orch))[1]

@@ -1,12 +1,14 @@
-"""pytest plugin: a real, private mosquitto broker per test (fixture ``mosquitto``).
-Owns starting it on a free loopback port, stopping it by PID, and restarting it on the same
-port (for reconnect tests). The broker's own log is kept in the test's tmp dir for diagnosis.
-Usable outside pytest too (benchmarks): ``with Mosquitto(workdir) as broker: ...``.
-``Mosquitto(workdir, auth=True, tls=(ca, cert, key))`` runs it as torchpassd broker-setup would
-(dynamic security, no anonymous access, optional TLS); fixture ``secure_mosquitto``."""
+"""pytest plugin: a real, private mosquitto broker per test (fixture ``mosquitto``), set up as
+torchpassd's broker setup does (dynamic security, no anonymous access, TLS with a CA made for it):
+every test talks to a secure broker. Owns starting it on a free loopback port, stopping it by PID,
+and restarting it on the same port (for reconnect tests). The broker's own log is kept in the
+test's tmp dir for diagnosis. Usable outside pytest too (benchmarks): ``with Mosquitto(workdir) as
+broker: ...``. ``Mosquitto(workdir, insecure=True)`` (anonymous, plain MQTT) exists only for the
+tests proving that torchpassd and launchpad refuse such a broker."""
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import os
 import shutil
@@ -16,11 +18,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import pytest
 
 from torchpass_common.config import BrokerConfig
+from torchpassd.broker_files import write_broker_files
+from torchpassd.broker_tls import make_broker_tls
 
 START_TIMEOUT = 10.0
 
@@ -32,10 +36,11 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 
 class Mosquitto:
-    """One mosquitto process listening on 127.0.0.1:``port`` (anonymous unless ``auth``, no
-    persistence; with ``auth`` the dynamic security file keeps accounts across restarts)."""
+    """One mosquitto process listening on ``host``:``port`` (no persistence; the dynamic security
+    file keeps accounts across restarts). ``tls``: (ca, cert, key) to serve instead of a CA and
+    certificate made in ``workdir``."""
 
-    def __init__(self, workdir: Path, port: int | None = None, *, auth: bool = False,
+    def __init__(self, workdir: Path, port: int | None = None, *, insecure: bool = False,
                  tls: tuple[str, str, str] | None = None, host: str = "127.0.0.1") -> None:
         exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not os.access(exe, os.X_OK):
@@ -50,9 +55,10 @@ class Mosquitto:
         # log_dest stdout: as root mosquitto drops to user mosquitto and could not open a log file.
         common = "persistence false\nlog_dest stdout\nlog_type all\n"
         self.files = None
+        if not insecure and tls is None:
+            tls = make_broker_tls(self.workdir / "tls", [host, "localhost"]).as_tuple()
         self.tls_ca = tls[0] if tls else ""
-        if auth:
-            from torchpassd.broker_auth import write_broker_files
+        if not insecure:
             self.files = write_broker_files(self.workdir, port=self.port, host=self.host, tls=tls,
                                             broker_user=getpass.getuser())
             self.conf = self.files.conf
@@ -62,11 +68,16 @@ class Mosquitto:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def config(self, keepalive: int = 5) -> BrokerConfig:
-        """A BrokerConfig pointing at this broker (as torchpassd, the admin, where ``auth``)."""
+        """A BrokerConfig pointing at this broker, as torchpassd (its admin)."""
         if self.files is None:
             return BrokerConfig(host=self.host, port=self.port, keepalive=keepalive, tls_ca=self.tls_ca)
         return BrokerConfig(host=self.host, port=self.port, keepalive=keepalive, tls_ca=self.tls_ca,
                             username="torchpassd", password_file=str(self.files.password_file))
+
+    def section(self, **extra: Any) -> dict[str, Any]:
+        """This broker as the ``[broker]`` section of a config (as torchpassd, its admin), for
+        ``config.render``; ``extra`` adds or replaces keys."""
+        return {k: v for k, v in {**dataclasses.asdict(self.config()), **extra}.items() if v != ""}
 
     def start(self) -> None:
         """Start the broker and wait until it accepts TCP connections."""
@@ -117,11 +128,4 @@ class Mosquitto:
 def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     """A running private mosquitto; stopped (by PID) after the test."""
     with Mosquitto(tmp_path / "mosquitto") as broker:
-        yield broker
-
-
-@pytest.fixture
-def secure_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
-    """A running private mosquitto with authentication and ACLs (dynamic security plugin)."""
-    with Mosquitto(tmp_path / "mosquitto", auth=True) as broker:
         yield broker

@@ -63,7 +63,7 @@ def _print_status(info: dict[str, Any]) -> None:
     print(f"dev cluster {info['id']}: {'UP' if info['up'] else 'DOWN'}   state {info['state_dir']}")
     print(f"SLURM_CONF={info['slurm_conf']}")
     broker = info["broker"]
-    print(f"broker     {broker['host']}:{broker['port']} (and {broker['local_host']}:{broker['port']})")
+    print(f"broker     {broker['host']}:{broker['port']} (TLS, CA {broker['tls_ca']}; accounts only)")
     res = info["spare_reservation"]
     print(f"spares     reservation {res['name']}: {', '.join(res['nodes']) or '(none)'}")
     if info["nodes"]:

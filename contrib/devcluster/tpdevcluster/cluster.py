@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import conffiles, daemons, hostinfo, netns, procs, slurmctl
+from . import broker, conffiles, daemons, hostinfo, netns, procs, slurmctl
 from .errors import DevClusterError
 from .instance import SPARE_RESERVATION, Instance
 
@@ -90,7 +90,7 @@ def start(want: Instance, host: hostinfo.HostInfo, say: Say) -> None:
     for node in want.node_names:
         daemons.start_slurmd(want, node)
     daemons.start_mosquitto(want)
-    say(f"mosquitto ready on {want.bridge_addr}:{want.port('mosquitto')} and 127.0.0.1")
+    say(f"mosquitto ready on {want.bridge_addr}:{want.port('mosquitto')} (TLS, accounts only)")
     wait_nodes(want, want.node_names, {"idle"}, NODES_TIMEOUT, restart=lambda node: daemons.start_slurmd(want, node),
                say=say)
     say(f"all {want.nodes} nodes idle")
@@ -182,7 +182,8 @@ def status(inst: Instance) -> dict[str, Any]:
         "state_dir": str(inst.state_dir),
         "slurm_conf": str(inst.slurm_conf),
         "torchpass_config": str(inst.torchpass_config),
-        "broker": {"host": inst.bridge_addr, "port": inst.port("mosquitto"), "local_host": "127.0.0.1"},
+        "broker": broker.settings(inst),
+        "credentials": broker.credentials(inst),
         "slurmctld": {"host": inst.bridge_addr, "port": inst.port("slurmctld")},
         "nodes": nodes,
         "spare_reservation": {"name": SPARE_RESERVATION, "nodes": reserved or []},

@@ -1,5 +1,5 @@
 """The configuration files of one instance: slurm.conf, slurmdbd.conf, cgroup.conf (Slurm >= 24.05),
-plugstack.conf, mosquitto.conf, and the nodes' /etc/hosts and resolv.conf. Rendering only;
+plugstack.conf, torchpass.toml, and the nodes' /etc/hosts and resolv.conf. Rendering only;
 the daemons that read them are started elsewhere."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import pwd
 import secrets
 from pathlib import Path
 
+from torchpass_common.config import render
+
+from . import broker
 from .hostinfo import HostInfo
 from .instance import REPO, Instance
 
@@ -116,29 +119,13 @@ def plugstack_conf(inst: Instance) -> str:
 
 
 def torchpass_toml(inst: Instance) -> str:
-    """The site's TorchPass config as an operator writes it: the broker, this cluster's Slurm, and
-    where torchpassd keeps its journal and socket (tests and the demo rewrite it with their own)."""
-    return (f'[broker]\nhost = "{inst.bridge_addr}"\nport = {inst.port("mosquitto")}\n'
-            f'[slurm]\nslurm_conf = "{inst.slurm_conf}"\n'
-            f'[orchestrator]\nstate_dir = "{inst.sub("torchpassd")}"\n'
-            f'control_socket = "{inst.run_dir / "torchpassd.sock"}"\nmetrics_port = 0\n')
-
-
-def mosquitto_conf(inst: Instance) -> str:
-    port = inst.port("mosquitto")
-    return "\n".join([
-        "# private broker of the dev cluster; anonymous until per-job credentials exist",
-        "per_listener_settings false",
-        "allow_anonymous true",
-        "persistence false",
-        "user root",
-        "log_dest stderr",
-        "log_type error",
-        "log_type warning",
-        "log_type notice",
-        f"listener {port} 127.0.0.1",
-        f"listener {port} {inst.bridge_addr}",
-    ]) + "\n"
+    """The site's TorchPass config as an operator writes it: the broker (with torchpassd's account
+    and the CA), the credentials endpoint, this cluster's Slurm, and where torchpassd keeps its
+    journal and socket (tests and the demo derive their own from it)."""
+    return render({"broker": broker.settings(inst), "slurm": {"slurm_conf": str(inst.slurm_conf)},
+                   "orchestrator": {"state_dir": str(inst.sub("torchpassd")),
+                                    "control_socket": str(inst.run_dir / "torchpassd.sock"), "metrics_port": 0,
+                                    **broker.credentials(inst)}})
 
 
 def hosts(inst: Instance, host: HostInfo) -> str:
@@ -167,7 +154,6 @@ def write_all(inst: Instance, host: HostInfo) -> None:
         "slurmdbd.conf": slurmdbd_conf(inst, host),
         "plugstack.conf": plugstack_conf(inst),
         "torchpass.toml": torchpass_toml(inst),
-        "mosquitto.conf": mosquitto_conf(inst),
         "hosts": hosts(inst, host),
         "resolv.conf": resolv_conf(),
     }
@@ -175,6 +161,7 @@ def write_all(inst: Instance, host: HostInfo) -> None:
         files["cgroup.conf"] = "CgroupPlugin=disabled\n"
     for name, text in files.items():
         Path(inst.etc, name).write_text(text)
+    broker.write(inst)
     # Slurm's clients read cli_filter.lua from beside slurm.conf.
     filter_link = inst.etc / "cli_filter.lua"
     filter_link.unlink(missing_ok=True)

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import netns, procs, slurmctl
+from . import broker, netns, procs, slurmctl
 from .conffiles import DB_PASSWORD, DB_USER
 from .errors import DevClusterError
 from .hostinfo import tool
@@ -130,5 +130,5 @@ def start_slurmd(inst: Instance, node: str) -> None:
 
 
 def start_mosquitto(inst: Instance) -> None:
-    procs.spawn(inst, "mosquitto", [tool("mosquitto"), "-c", str(inst.etc / "mosquitto.conf")])
-    procs.wait_ready(inst, "mosquitto", lambda: tcp_open("127.0.0.1", inst.port("mosquitto")), DAEMON_TIMEOUT)
+    procs.spawn(inst, "mosquitto", [tool("mosquitto"), "-c", str(broker.conf(inst))])
+    procs.wait_ready(inst, "mosquitto", lambda: tcp_open(inst.bridge_addr, inst.port("mosquitto")), DAEMON_TIMEOUT)

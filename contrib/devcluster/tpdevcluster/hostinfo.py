@@ -17,7 +17,7 @@ from pathlib import Path
 from .errors import DevClusterError
 
 REQUIRED_TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "slurmdbd", "mariadbd",
-                  "mariadb-install-db", "mariadb", "mosquitto", "ip", "nsenter", "unshare",
+                  "mariadb-install-db", "mariadb", "mosquitto", "openssl", "ip", "nsenter", "unshare",
                   "sinfo", "scontrol", "sbatch", "scancel")
 INSTALL_HINT = "run `make setup` (contrib/install/install-deps.sh) as root"
 
