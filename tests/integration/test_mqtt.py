@@ -160,35 +160,48 @@ def test_publish_waits_out_a_short_outage_and_fails_clearly_on_a_long_one(mosqui
     run(scenario(), 45)
 
 
-def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto, tmp_path):
-    """Sent with job JOB's own account (a job's user is the one who can reach its topics)."""
+BODIES = {"heartbeat": {"node": NODE, "seq": 3, "workers": []}, "state": {"node": NODE, "online": True},
+          "command": {"cmd": "pause", "migration": "m1", "args": {}},
+          "ack": {"node": NODE, "command_id": "c1", "cmd": "pause", "migration": "m1", "ok": True, "error": None,
+                  "result": {}},
+          "event": {"event": "migration.started"}}
+TOPICS = {"heartbeat": protocol.hb_topic(JOB, NODE), "state": protocol.state_topic(JOB, NODE),
+          "command": protocol.cmd_topic(JOB, NODE), "ack": protocol.ack_topic(JOB, NODE),
+          "event": protocol.events_topic(JOB)}
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("kind", sorted(TOPICS))
+def test_hostile_payloads_are_dropped_and_logged_while_valid_ones_flow(mosquitto, tmp_path, kind):
+    """On every topic torchpassd or a launchpad reads, sent with job JOB's own account (a job's user
+    is the one who can reach its topics): garbage, an oversized payload, the right kind for another
+    job, and another kind are each dropped and logged; the valid message after them arrives."""
     log.setup("info")
     user, password = job_account(mosquitto, tmp_path)
-    oversized = b"\x91" * (protocol.MAX_MESSAGE_BYTES + 1)
-    wrong_job = protocol.encode("heartbeat", job="other", gen=1,
-                                body={"node": NODE, "seq": 1, "workers": []})
-    wrong_node = protocol.encode("heartbeat", job=JOB, gen=1, body={"node": "n2", "seq": 1, "workers": []})
-    hostile = [b"not msgpack \xc1", oversized, wrong_job, wrong_node, state(True)]  # state(True) on the hb topic
+    topic, other = TOPICS[kind], "state" if kind != "state" else "heartbeat"
+    hostile = [b"not msgpack \xc1", b"\x91" * (protocol.MAX_MESSAGE_BYTES + 1),
+               protocol.encode(kind, job="other", gen=1, body=BODIES[kind]),
+               protocol.encode(other, job=JOB, gen=1, body=BODIES[other])]
+    valid = protocol.encode(kind, job=JOB, gen=7, body=BODIES[kind])
 
     async def scenario() -> protocol.Message:
         async with ControlClient(mosquitto.config(), "orch") as orch:
             await orch.wait_connected(10)
-            await orch.subscribe(protocol.nodes_filter("heartbeat", job=JOB))
+            await orch.subscribe(topic)
             async with aiomqtt.Client(mosquitto.host, mosquitto.port, identifier="job-user", username=user,
                                       password=password,
                                       tls_context=ssl.create_default_context(cafile=mosquitto.tls_ca)) as raw:
-                for payload in [*hostile, heartbeat(3)]:
-                    await raw.publish(protocol.hb_topic(JOB, NODE), payload, qos=1)
+                for payload in [*hostile, valid]:
+                    await raw.publish(topic, payload, qos=1)
             return (await next_message(orch))[1]
 
     with structlog.testing.capture_logs() as logs:
         msg = run(scenario())
-    assert msg.body["seq"] == 3  # the first message to come through is the valid one
+    assert (msg.kind, msg.gen) == (kind, 7)  # the first message to come through is the valid one
     rejected = [e for e in logs if e["event"] == "mqtt.message_rejected"]
     assert [e["size"] for e in rejected] == [len(p) for p in hostile]
     reasons = [e["reason"] for e in rejected]
     assert "not valid msgpack" in reasons[0]
     assert "exceeds the limit" in reasons[1]
-    assert "heartbeat message of job other node n1 arrived on topic" in reasons[2]
-    assert "heartbeat message of job 4242 node n2 arrived on topic" in reasons[3]
-    assert "state message of job" in reasons[4]
+    assert f"{kind} message of job other" in reasons[2] and f"arrived on topic {topic}" in reasons[2]
+    assert f"{other} message of job {JOB}" in reasons[3]
