@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from launchpad.agent import Agent
     from launchpad.channel import WorkerLink
 
-ENV_RESTORE_TARGET = "TORCHPASS_RESTORE_TARGET"  # "1": start no worker, wait for one criu restores here
 _SOCKETS_CLOSED_S = 10.0
 
 
@@ -43,7 +42,7 @@ def movable() -> bool:
 
 
 def restore_target() -> bool:
-    return os.environ.get(ENV_RESTORE_TARGET) == "1"
+    return os.environ.get(ac.ENV_RESTORE_TARGET) == "1"
 
 
 async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: int,

@@ -26,6 +26,8 @@ ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"listen_host", "port", "toke
 # "group_world_size", "sources": [...], "cwd"}: local worker i joins as ranks[i], loading from
 # sources[i], in the job's working directory cwd.
 ENV_JOIN_PLAN = "TORCHPASS_JOIN_PLAN"
+# On a spare's launchpad (transparent mode): "1": start no worker, wait for the one criu restores here.
+ENV_RESTORE_TARGET = "TORCHPASS_RESTORE_TARGET"
 # A joining launchpad's exit code when the job's working directory is missing on its node (srun
 # then starts the task in /tmp): torchpassd names the cause from it.
 EXIT_NO_WORKDIR = 66

@@ -13,7 +13,7 @@ import subprocess
 import time
 from typing import Any
 
-from launchpad import transparent as lpt
+from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, TorchPassError
 from torchpassd import journal as jn
 from torchpassd import planned
@@ -97,7 +97,7 @@ class TransparentMigration(planned.PlannedMigration):
                 *(["--config", config] if config else []), "--nnodes", "1", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
                 "--rdzv-id", f"{p.job}-restore-{self.id[:8]}", *tpl.output_args(), "--no-python", "true"]
-        env = {lpt.ENV_RESTORE_TARGET: "1"}
+        env = {ac.ENV_RESTORE_TARGET: "1"}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:
