@@ -88,10 +88,12 @@ def _line(obj: dict[str, Any]) -> bytes:
 class CredentialServer:
     """torchpassd's endpoint (TCP, one JSON line each way) handing out job broker accounts."""
 
-    def __init__(self, host: str, port: int, lookup: Lookup, issue: Issue, *, munge_socket: str = "") -> None:
+    def __init__(self, host: str, port: int, lookup: Lookup, issue: Issue, *, munge_socket: str = "",
+                 refused: Callable[[str], None] = lambda reason: None) -> None:
         self.host, self.port = host, port
         self.lookup, self.issue, self.munge_socket = lookup, issue, munge_socket
-        self._rate = RateLimit(RATE, BURST)
+        self.refused = refused  # told "rate", "request" (malformed, timed out) or "proof" on each refusal
+        self._rate, self._rate_logged = RateLimit(RATE, BURST), RateLimit(1.0, 1.0)
         self._server: asyncio.Server | None = None
         self.log = log.get()
 
@@ -120,6 +122,7 @@ class CredentialServer:
             await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:
             self.log.warning("credentials.refused", peer=str(peer), reason=f"bad request: {type(exc).__name__}")
+            self.refused("request")
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
@@ -128,13 +131,17 @@ class CredentialServer:
     async def answer(self, line: bytes, *, peer: str = "?") -> dict[str, Any]:
         """The reply to one request line: the account, or ``ok: false`` with why (also logged).
         Each peer address gets at most RATE answers a second (each costs two munge calls)."""
+        if not self._rate.allow(peer):
+            self.refused("rate")
+            if self._rate_logged.allow(peer):  # a flood is logged once a second, counted in full
+                self.log.warning("credentials.refused", peer=peer, reason=f"more than {RATE:g} requests a second")
+            return {"ok": False, "error": f"more than {RATE:g} credential requests a second from {peer}",
+                    "hint": "a launchpad asks once at start: retry in a second"}
         try:
-            if not self._rate.allow(peer):
-                raise CredentialError(f"more than {RATE:g} credential requests a second from {peer}",
-                                      hint="a launchpad asks once at start: retry in a second")
             return {"ok": True, **await self._check_and_issue(line)}
         except TorchPassError as exc:
             self.log.warning("credentials.refused", peer=peer, reason=str(exc))
+            self.refused("proof")
             return {"ok": False, "error": exc.message, "hint": exc.hint}
 
     async def _check_and_issue(self, line: bytes) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from torchpass_common.errors import ConfigError, TorchPassError
 from torchpass_common.job_credentials import CredentialServer, JobFacts
 from torchpassd.broker_files import CONTROL_TOPIC, acls, write_broker_files
 from torchpassd.broker_tls import make_broker_tls
+from torchpassd.metrics import Counter
 
 JOB_PREFIX = "tp-job-"
 CALL_TIMEOUT = 10.0
@@ -136,7 +137,7 @@ class JobAccounts:
     """torchpassd's per-job accounts: created on JobStarted, removed on JobEnded, handed to a job's
     launchpads by the job_credentials endpoint after the munge proof checks out against Slurm."""
 
-    def __init__(self, cfg: Config, slurm: SlurmClient) -> None:
+    def __init__(self, cfg: Config, slurm: SlurmClient, refused: Counter) -> None:
         self.admin = BrokerAdmin(cfg.broker, Path(cfg.orchestrator.state_dir) / "broker-secret")
         self.slurm = slurm
         endpoint = cfg.orchestrator.credentials_endpoint
@@ -145,14 +146,16 @@ class JobAccounts:
         except ValueError:
             raise ConfigError(f"orchestrator.credentials_endpoint must be HOST:PORT, got {endpoint!r}") from None
         self.server = CredentialServer("0.0.0.0", port, self.facts, self.admin.ensure_job,  # noqa: S104 - nodes connect
-                                       munge_socket=cfg.orchestrator.munge_socket)
+                                       munge_socket=cfg.orchestrator.munge_socket,
+                                       refused=lambda reason: refused.inc(reason=reason))
         self._tasks: set[asyncio.Task[None]] = set()
         self.log = log.get()
 
     @classmethod
-    def from_config(cls, cfg: Config, slurm: SlurmClient) -> JobAccounts | None:
-        """The accounts manager, or None when per-job credentials are off (no credentials_endpoint)."""
-        return cls(cfg, slurm) if cfg.orchestrator.credentials_endpoint else None
+    def from_config(cls, cfg: Config, slurm: SlurmClient, refused: Counter) -> JobAccounts | None:
+        """The accounts manager, or None when per-job credentials are off (no credentials_endpoint);
+        ``refused`` counts the endpoint's refusals (label ``reason``)."""
+        return cls(cfg, slurm, refused) if cfg.orchestrator.credentials_endpoint else None
 
     async def __aenter__(self) -> Self:
         await self.server.__aenter__()

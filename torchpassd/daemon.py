@@ -442,7 +442,8 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
         deps = planned.Deps(cfg, journal, registry, commander, resizer, SparePool(slurm, cfg.slurm.spare_reservation),
                             metrics, publish_event, state_dir / "steps")
         orch = Orchestrator(deps, watcher, control_up=lambda: client.connected)
-        accounts = broker_auth.JobAccounts.from_config(cfg, slurm)  # per-job broker accounts (or None)
+        # per-job broker accounts (or None), their endpoint's refusals counted
+        accounts = broker_auth.JobAccounts.from_config(cfg, slurm, metrics.credentials_refused_total)
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
                              drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner, node, reason))
         boot = await _first_look(slurm)

@@ -139,6 +139,10 @@ class Metrics:
             "torchpass_reports_refused_total",
             "Launchpad reports torchpassd did not act on: about a node Slurm does not show in the sender's job, "
             "over the rate limit, or too many waiting for Slurm's confirmation.", ("reason",))
+        self.credentials_refused_total = Counter(
+            "torchpass_credentials_refused_total",
+            "Requests for a job's broker account refused: over the rate, malformed, or a proof that does not hold.",
+            ("reason",))
         self._last_heartbeat: dict[tuple[str, str], float] = {}
         self.spares_free.set(0)
         self.jobs_tracked.set(0)
@@ -157,7 +161,7 @@ class Metrics:
             self.heartbeat_age_seconds.set(round(now - seen, 3), job=job, node=node)
         metrics = (self.migrations_total, self.migration_pause_seconds, self.failure_detect_seconds,
                    self.spares_free, self.jobs_tracked, self.heartbeat_age_seconds, self.health_decisions_total,
-                   self.reports_refused_total)
+                   self.reports_refused_total, self.credentials_refused_total)
         return "\n".join(m.render() for m in metrics) + "\n"
 
 

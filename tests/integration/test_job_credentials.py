@@ -131,12 +131,16 @@ async def test_server_survives_hostile_connections(munged: str) -> None:  # noqa
 @sync
 async def test_a_flood_of_requests_from_one_address_is_cut_to_the_rate(munged: str) -> None:  # noqa: F811
     """Each request costs torchpassd two munge calls: one address gets the burst, then at most the
-    rate; another address (a real node's launchpad) is still answered."""
+    rate (each refusal counted, the flood logged about once a second); another address (a real
+    node's launchpad) is still answered."""
     s = Server(None, munged)
+    counted: list[str] = []
+    s.srv.refused = counted.append
     line = f'{{"credential": "{proof("200", "nb1", munged)}"}}\n'.encode()
     replies = [await s.srv.answer(line, peer="10.9.9.9") for _ in range(40)]
     limited = ["credential requests a second from 10.9.9.9" in (r.get("error") or "") for r in replies]
     assert limited == [False] * int(BURST) + [True] * (40 - int(BURST))
     assert replies[0]["ok"] and s.issued == ["200"]  # the rest of the burst: refused as replays
+    assert counted == ["proof"] * (int(BURST) - 1) + ["rate"] * (40 - int(BURST))
     fresh = f'{{"credential": "{proof("200", "nb1", munged)}"}}\n'.encode()
     assert (await s.srv.answer(fresh, peer="10.9.9.10"))["ok"]
