@@ -119,7 +119,7 @@ def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
     assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and mig["target"] == "n5", mig
     chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
     assert chosen["detail"]["ranks"] == lost, chosen
-    assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"))
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"), killed=lost)
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
 
