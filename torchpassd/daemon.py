@@ -344,7 +344,7 @@ class Reports:
     commander: Commander
     metrics: Metrics
     health: HealthWatch
-    detector: FailureDetector | None = None
+    detector: FailureDetector
 
     async def pump(self, client: mqtt.ControlClient) -> None:
         async for topic, msg in client.messages():
@@ -363,8 +363,7 @@ class Reports:
             self.commander.on_ack(msg, node)
         elif msg.kind in (protocol.STATE, protocol.HEARTBEAT):
             await self.registry.on_message(node, msg)
-            if self.detector is not None:
-                self.detector.on_message(node, msg)
+            self.detector.on_message(node, msg)
             if msg.kind == protocol.HEARTBEAT:
                 self.metrics.heartbeat_seen(msg.job, node)
                 await self.health.on_heartbeat(msg.job, node, msg.body)
