@@ -15,6 +15,7 @@ Run: ``torchrun --nproc-per-node 2 fsdp_train.py --mesh fsdp --steps 50``."""
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -75,6 +76,15 @@ def main() -> None:
     args = ap.parse_args()
 
     dist.init_process_group(args.backend)
+    train(args)
+    # the model, its mesh and the optimizer were freed when train() returned: their process groups
+    # are destroyed now, while the interpreter is whole, not during its shutdown (where gloo's
+    # threads can abort the process: "terminate called without an active exception")
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = "cuda" if args.backend == "nccl" else "cpu"
     if device == "cuda":
@@ -122,7 +132,6 @@ def main() -> None:
     if log:
         log.write(json.dumps({"rank": rank, "final": final, "steps": progress["step"]}) + "\n")
         log.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
