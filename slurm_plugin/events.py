@@ -62,6 +62,7 @@ class JobStarted(JobEvent):
     mode: str = "auto"
     spares: int = 0
     batch_host: str = ""
+    started: int = 0  # Slurm's start time: with the id, names this run of the job
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class Job:
     comment: str = ""
     admin_comment: str = ""
     resize_time: int = 0
+    start_time: int = 0  # epoch seconds; the same across resizes, new when a job id is used again
 
     @property
     def active(self) -> bool:

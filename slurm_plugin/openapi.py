@@ -71,6 +71,7 @@ def job(raw: Mapping[str, Any]) -> Job:
         comment=_text(raw.get("comment")),
         admin_comment=_text(raw.get("admin_comment")),
         resize_time=_number(raw.get("resize_time")),
+        start_time=_number(raw.get("start_time")),
     )
 
 

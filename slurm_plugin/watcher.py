@@ -41,7 +41,8 @@ def _job_events(old: dict[int, Job], new: dict[int, Job], all_new: dict[int, Job
         prev = old.get(jid)
         if prev is None:
             flags = job.torchpass or TorchPassFlags()
-            out.append(ev.JobStarted(at, jid, job.nodes, job.user, flags.mode, flags.spares, job.batch_host))
+            out.append(ev.JobStarted(at, jid, job.nodes, job.user, flags.mode, flags.spares, job.batch_host,
+                                      job.start_time))
         elif prev.nodes != job.nodes:
             added = tuple(n for n in job.nodes if n not in prev.nodes)
             removed = tuple(n for n in prev.nodes if n not in job.nodes)

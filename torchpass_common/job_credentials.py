@@ -31,14 +31,16 @@ class CredentialError(TorchPassError):
 
 @dataclass(frozen=True)
 class JobFacts:
-    """What torchpassd checks a proof against: the job owner's uid and the job's nodes (Slurm)."""
+    """What torchpassd checks a proof against: the job owner's uid and the job's nodes (Slurm), and
+    the job's start time (a job id Slurm uses again names another job, with other credentials)."""
 
     owner_uid: int
     nodes: tuple[str, ...]
+    started: int
 
 
 Lookup = Callable[[str], Awaitable[JobFacts | None]]
-Issue = Callable[[str], Awaitable[tuple[str, str]]]
+Issue = Callable[[str, int], Awaitable[tuple[str, str]]]  # (job, started) -> (username, password)
 
 
 async def _munge(tool: str, args: list[str], data: bytes, socket: str) -> tuple[int, str, str]:
@@ -167,7 +169,7 @@ class CredentialServer:
         if node not in facts.nodes:
             raise CredentialError(f"node {node} is not one of job {job}'s nodes ({','.join(facts.nodes)})",
                                   job=job, node=node)
-        username, password = await self.issue(job)
+        username, password = await self.issue(job, facts.started)
         self.log.info("credentials.issued", job=job, node=node, uid=uid, username=username)
         return {"username": username, "sealed": await seal(password, uid=uid, socket=self.munge_socket)}
 

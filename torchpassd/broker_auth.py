@@ -2,7 +2,8 @@
 broker's files (mosquitto.conf fragment, the plugin's JSON with torchpassd's admin client and a
 default-deny ACL), and at run time one client + role per job, confined to torchpass/v1/jobs/<job>/#,
 created when the job starts and deleted when it ends (over the plugin's $CONTROL topic). A job's
-password is derived from a secret in torchpassd's state dir, so a restarted torchpassd agrees."""
+password is derived from a secret in torchpassd's state dir and the job's id and start time, so a
+restarted torchpassd agrees, and a job id Slurm uses again gets other credentials."""
 
 from __future__ import annotations
 
@@ -71,20 +72,30 @@ class BrokerAdmin:
     def username(job: str) -> str:
         return JOB_PREFIX + job
 
-    def password(self, job: str) -> str:
-        return hmac.new(self._secret, f"broker-password:{job}".encode(), hashlib.sha256).hexdigest()
+    def password(self, job: str, started: int) -> str:
+        """The password of ``job`` started at ``started`` (Slurm's start time, epoch seconds)."""
+        return hmac.new(self._secret, f"broker-password:{job}:{started}".encode(), hashlib.sha256).hexdigest()
 
-    async def ensure_job(self, job: str) -> tuple[str, str]:
-        """Create ``job``'s client and role unless they exist; returns (username, password).
-        An existing client is left alone: changing its password would make the broker
-        disconnect the job's launchpads (the password is derived, so it is the same anyway)."""
-        name, password = self.username(job), self.password(job)
-        await self._call([
-            {"command": "createRole", "rolename": name, "acls": acls(protocol.job_filter(job))},
-            {"command": "createClient", "username": name, "password": password,
-             "textName": f"TorchPass job {job}", "roles": [{"rolename": name}]}],
-            tolerate=("already exists",))
-        self.log.info("broker.job_credentials_created", job=job, username=name)
+    async def ensure_job(self, job: str, started: int) -> tuple[str, str]:
+        """Create the client and role of ``job`` started at ``started`` unless they exist; returns
+        (username, password). The client of this same run is left alone: changing its password
+        would make the broker disconnect the job's launchpads (it is derived: the same anyway).
+        A client left by an earlier job with the same id (its start time differs) is replaced,
+        and the broker disconnects whoever still used it."""
+        name, password, text = self.username(job), self.password(job, started), f"TorchPass job {job} started {started}"
+        client = {"command": "createClient", "username": name, "password": password, "textName": text,
+                  "roles": [{"rolename": name}]}
+        reply = await self._call([{"command": "createRole", "rolename": name, "acls": acls(protocol.job_filter(job))},
+                                  dict(client)], tolerate=("already exists",))
+        if reply[-1].get("error"):
+            (existing,) = await self._call([{"command": "getClient", "username": name}])
+            held = existing.get("data", {}).get("client", {})
+            if held.get("textname", held.get("textName")) != text:  # mosquitto answers "textname"
+                await self._call([{"command": "deleteClient", "username": name}, client])
+                self.log.warning("broker.job_credentials_replaced", job=job, username=name, started=started,
+                                 why="the account was made for an earlier job with the same id")
+                return name, password
+        self.log.info("broker.job_credentials_created", job=job, username=name, started=started)
         return name, password
 
     async def remove_job(self, job: str) -> None:
@@ -180,7 +191,8 @@ class JobAccounts:
         await self.server.__aexit__(*exc)
 
     async def facts(self, job: str) -> JobFacts | None:
-        """The owner's uid and nodes of a running TorchPass job ``job``, from Slurm (None: no such job)."""
+        """The owner's uid, nodes and start time of a running TorchPass job ``job``, from Slurm
+        (None: no such job)."""
         try:
             rec = await asyncio.to_thread(self.slurm.job, int(job))
         except (ValueError, TorchPassError):
@@ -189,7 +201,7 @@ class JobAccounts:
             return None
         name, _, uid = rec.user.partition("(")  # "alice" or "alice(1000)"
         try:
-            return JobFacts(int(uid.rstrip(")")) if uid else pwd.getpwnam(name).pw_uid, rec.nodes)
+            return JobFacts(int(uid.rstrip(")")) if uid else pwd.getpwnam(name).pw_uid, rec.nodes, rec.start_time)
         except (KeyError, ValueError):
             self.log.warning("credentials.unknown_owner", job=job, user=rec.user)
             return None
@@ -205,7 +217,7 @@ class JobAccounts:
     async def _account(self, e: ev.JobStarted | ev.JobEnded) -> None:
         try:
             if isinstance(e, ev.JobStarted):
-                await self.admin.ensure_job(str(e.job))
+                await self.admin.ensure_job(str(e.job), e.started)
             elif isinstance(e, ev.JobEnded):
                 await self.admin.remove_job(str(e.job))
         except TorchPassError as exc:
@@ -215,6 +227,9 @@ class JobAccounts:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--port", type=int, default=1883, show_default=True, help="Port of the broker's listener.")
+@click.option("--refuse-plain", "refuse_plain", type=int, default=None, metavar="PORT",
+              help="With TLS: also listen on PORT without TLS, refusing every client (\"not authorised\"); "
+                   "e.g. --port 8883 --refuse-plain 1883.")
 @click.option("--host", default="", help="Address to listen on (default: all).")
 @click.option("--admin-user", default="torchpassd", show_default=True, help="torchpassd's broker account.")
 @click.option("--broker-user", default="mosquitto", show_default=True, help="User mosquitto runs as.")
@@ -223,7 +238,7 @@ class JobAccounts:
 @click.option("--tls-for", "tls_for", multiple=True, metavar="ADDR",
               help="Make a private CA and a certificate for this address or name (repeat for each) in "
                    "DIRECTORY/tls and serve TLS with them; clients set broker.tls_ca to DIRECTORY/tls/ca.crt.")
-def main(directory: str, port: int, host: str, admin_user: str, broker_user: str,
+def main(directory: str, port: int, refuse_plain: int | None, host: str, admin_user: str, broker_user: str,
          tls: tuple[str, str, str] | None, tls_for: tuple[str, ...]) -> None:
     """Write an authenticated broker's files into DIRECTORY: mosquitto.conf (include it from
     /etc/mosquitto/conf.d), the dynamic security file, and torchpassd's password file."""
@@ -231,7 +246,7 @@ def main(directory: str, port: int, host: str, admin_user: str, broker_user: str
         if tls_for and not tls:
             tls = make_broker_tls(Path(directory) / "tls", list(tls_for)).as_tuple()
         files = write_broker_files(directory, port=port, host=host, admin_user=admin_user,
-                                   broker_user=broker_user, tls=tls or None)
+                                   broker_user=broker_user, tls=tls or None, refuse_plain_port=refuse_plain)
     except (TorchPassError, OSError) as exc:
         click.echo(f"torchpassd.broker_auth: {exc}", err=True)
         raise SystemExit(1) from None

@@ -55,7 +55,7 @@ def _job(j: Any) -> Job:
     return Job(job_id=int(j.id), name=j.name or "", user=j.user_name or "", state=str(j.state).upper(),
                nodes=tuple(hostlist.expand(j.allocated_nodes)), batch_host=j.batch_host or "",
                partition=j.partition or "", comment=j.comment or "", admin_comment=j.admin_comment or "",
-               resize_time=int(j.resize_time or 0))
+               resize_time=int(j.resize_time or 0), start_time=int(j.start_time or 0))
 
 
 class PyslurmClient(SlurmClient):

@@ -7,16 +7,19 @@ job (refused), about its own node while the health policy is off (ignored)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import pytest
 
 from launchpad.telemetry.collector import Collector
 from launchpad.telemetry.encoding import DeltaEncoder
 from launchpad.telemetry.replay import ReplayBackend
+from slurm_plugin import openapi
 from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
 from torchpass_common import config, mqtt, protocol
@@ -42,12 +45,35 @@ def test_job_trains_and_migrates_with_its_own_broker_account(torchpassd: Daemon,
     issued = [e for e in (json.loads(ln) for ln in torchpassd.log_path.read_text().splitlines()
                           if ln.startswith("{")) if e.get("event") == "credentials.issued" and e.get("job") == job.job]
     assert sorted(e["node"] for e in issued) == ["n1", "n2", "n3", "n4"], issued
+    assert _retained_states(tp_config, job.job) == {"n1", "n2", "n3", "n4"}  # online, for a restarted torchpassd
     devcluster.drain("n3", "planned maintenance")
     mig = torchpassd.wait_migration(job.job, "n3")
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig  # the joiner got an account too
     assert_bit_identical(job.wait_done(), reference(STEPS))
     wait_until("the ended job's account to be removed",
                lambda: f"tp-job-{job.job}" not in asyncio.run(admin.list_clients()), 60, every=1)
+    wait_until("the ended job's retained states (n3's, which left, too) to be cleared from the broker",
+               lambda: not _retained_states(tp_config, job.job), 60, every=2)
+
+
+def _retained_states(tp_config: Path, job: str) -> set[str]:
+    """The nodes whose state the broker keeps retained for ``job`` (read as torchpassd)."""
+    cfg = config.load(tp_config).broker
+    username, password, tls = mqtt.broker_credentials(cfg)
+
+    async def read() -> set[str]:
+        nodes: set[str] = set()
+        async with aiomqtt.Client(cfg.host, cfg.port, username=username, password=password,
+                                  tls_context=tls, identifier=f"retained-reader-{job}") as client:
+            await client.subscribe(protocol.job_filter(job), qos=1)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.5):  # retained messages come at once after the subscription
+                    async for message in client.messages:
+                        where = protocol.parse_topic(str(message.topic))
+                        if message.retain and message.payload and where.kind == protocol.STATE:
+                            nodes.add(str(where.node))
+        return nodes
+    return asyncio.run(read())
 
 
 def _forged_xid(job: str, node: str, workers: list[dict[str, Any]]) -> bytes:
@@ -61,12 +87,14 @@ def _forged_xid(job: str, node: str, workers: list[dict[str, Any]]) -> bytes:
                            body={"node": node, "seq": 10**6, "workers": workers, "gpu": DeltaEncoder().encode(sample)})
 
 
-def _publish_as_job(cfg: config.Config, job: str, node: str, payload: bytes) -> None:
+def _publish_as_job(devcluster: DevCluster, cfg: config.Config, job: str, node: str, payload: bytes) -> None:
+    """Publish with ``job``'s own broker account, as its user (who can read the password) could."""
     admin = BrokerAdmin(cfg.broker, Path(cfg.orchestrator.state_dir) / "broker-secret")
+    started = openapi.jobs(json.loads(devcluster.run("squeue", "--json").stdout))[int(job)].start_time
 
     async def send() -> None:
         async with mqtt.ControlClient(cfg.broker, f"forger-{job}", credentials=(admin.username(job),
-                                                                                  admin.password(job))) as c:
+                                                                                  admin.password(job, started))) as c:
             await c.wait_connected(10)
             await c.publish(protocol.hb_topic(job, node), payload, timeout=5)
     asyncio.run(send())
@@ -96,7 +124,7 @@ def test_forged_gpu_reports_are_not_acted_on_and_a_true_one_is(torchpassd: Daemo
     view = job.wait_running(torchpassd)
     cfg = config.load(tp_config)
     workers = view["launchpads"]["n2"]["workers"]
-    _publish_as_job(cfg, job.job, "n2", _forged_xid(job.job, "n2", workers))
+    _publish_as_job(devcluster, cfg, job.job, "n2", _forged_xid(job.job, "n2", workers))
     time.sleep(4)  # several Slurm polls and heartbeats
     assert "drain" not in devcluster.node_state("n2"), "the policy is off: nothing may drain n2"
     assert torchpassd.migrations(job.job) == []
@@ -105,14 +133,14 @@ def test_forged_gpu_reports_are_not_acted_on_and_a_true_one_is(torchpassd: Daemo
     torchpassd.config = tp_config  # the health policy on
     torchpassd.start()
     job.wait_running(torchpassd)
-    _publish_as_job(cfg, job.job, "n5", _forged_xid(job.job, "n5", []))
+    _publish_as_job(devcluster, cfg, job.job, "n5", _forged_xid(job.job, "n5", []))
     wait_until("the report about n5 to be refused", lambda: _refusals(torchpassd.log_path, job.job, "n5"), 30)
     (refusal,) = _refusals(torchpassd.log_path, job.job, "n5")
     assert refusal["reason"] == "not_in_job" and "not on n5" in refusal["why"], refusal
     time.sleep(2)
     assert "drain" not in devcluster.node_state("n5"), "n5 is not the job's: a forged report must not drain it"
 
-    _publish_as_job(cfg, job.job, "n2", _forged_xid(job.job, "n2", workers))  # the control
+    _publish_as_job(devcluster, cfg, job.job, "n2", _forged_xid(job.job, "n2", workers))  # the control
     mig = torchpassd.wait_migration(job.job, "n2")
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
     assert "Reason=torchpass: GPU0 XID 79" in devcluster.run("scontrol", "show", "node", "n2").stdout

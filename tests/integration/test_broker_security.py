@@ -28,6 +28,7 @@ from torchpassd.broker_auth import BrokerAdmin, BrokerAuthError
 from torchpassd.broker_tls import make_broker_tls
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.security, pytest.mark.timeout(120)]
+STARTED = 1_700_000_000  # the jobs' start time (Slurm's), which their passwords are bound to
 
 
 def sync(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
@@ -64,11 +65,27 @@ def _payload(job: str, node: str) -> bytes:
 @sync
 async def test_anonymous_and_wrong_password_refused(mosquitto: Mosquitto, tmp_path: Path) -> None:
     admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
-    user, _ = await admin.ensure_job("7")
+    user, _ = await admin.ensure_job("7", STARTED)
     for creds in (None, (user, "wrong"), ("nobody", "x")):
         with pytest.raises(aiomqtt.MqttError, match="[Nn]ot authori[sz]ed|[Bb]ad user"):
             async with _client(mosquitto, creds):
                 pass
+
+
+@sync
+async def test_an_oversize_packet_gets_its_sender_disconnected_and_nothing_delivered(
+        mosquitto: Mosquitto, tmp_path: Path) -> None:
+    """The broker bounds what one client may send (max_packet_size): a job's account publishing
+    half a megabyte on its own topic is cut off; a reader of that topic gets nothing."""
+    admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
+    creds = await admin.ensure_job("8", STARTED)
+    async with _client(mosquitto, creds, name="reader-8") as reader:
+        await reader.subscribe(protocol.job_filter("8"), qos=1)
+        with pytest.raises(aiomqtt.MqttError):
+            async with _client(mosquitto, creds, name="big-8") as big:
+                await big.publish(protocol.hb_topic("8", "n1"), b"x" * (512 * 1024), qos=1, timeout=5)
+                await big.publish(protocol.hb_topic("8", "n1"), b"y", qos=1, timeout=5)  # the link is gone
+        assert await _received(reader, 1.0) == []
 
 
 @sync
@@ -94,7 +111,7 @@ async def test_job_accounts_are_confined_on_the_dev_clusters_broker(devcluster: 
 async def confined(broker: Mosquitto | BrokerConfig, admin: BrokerAdmin, job_a: str, job_b: str) -> None:
     """Job B's account reads nothing of job A's subtree and its publications there are dropped; A's
     account cannot publish into B's subtree or command the security plugin."""
-    creds_a, creds_b = await admin.ensure_job(job_a), await admin.ensure_job(job_b)
+    creds_a, creds_b = await admin.ensure_job(job_a, STARTED), await admin.ensure_job(job_b, STARTED)
     assert creds_a != creds_b
     a_cmd, a_hb = protocol.cmd_topic(job_a, "n1"), protocol.hb_topic(job_a, "n1")
     async with _client(broker, (admin.cfg.username, admin.cfg.password_file and
@@ -128,12 +145,12 @@ async def confined(broker: Mosquitto | BrokerConfig, admin: BrokerAdmin, job_a: 
 @sync
 async def test_ended_job_account_is_removed_and_kicked(mosquitto: Mosquitto, tmp_path: Path) -> None:
     admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
-    creds = await admin.ensure_job("21")
-    again = await BrokerAdmin(mosquitto.config(), tmp_path / "secret").ensure_job("21")
+    creds = await admin.ensure_job("21", STARTED)
+    again = await BrokerAdmin(mosquitto.config(), tmp_path / "secret").ensure_job("21", STARTED)
     assert again == creds  # a restarted torchpassd derives the same password; re-creating is harmless
     async with mqtt.ControlClient(mosquitto.config(), "lp-21", credentials=creds) as lp:
         await lp.wait_connected(10)
-        await admin.ensure_job("21")  # another launchpad of the job asks: this one stays connected
+        await admin.ensure_job("21", STARTED)  # another launchpad of the job asks: this one stays connected
         await asyncio.sleep(0.5)
         assert lp.connected and lp.connects == 1
         await admin.remove_job("21")
@@ -150,19 +167,43 @@ async def test_ended_job_account_is_removed_and_kicked(mosquitto: Mosquitto, tmp
 
 
 @sync
+async def test_a_job_id_used_again_gets_new_credentials_and_the_old_ones_stop_working(
+        mosquitto: Mosquitto, tmp_path: Path) -> None:
+    """Slurm hands out job 41 again (a new cluster database, MaxJobId wrapped) while torchpassd missed
+    the first job's end: whoever kept the first job's password neither stays connected nor gets in."""
+    admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
+    first = await admin.ensure_job("41", STARTED)
+    async with mqtt.ControlClient(mosquitto.config(), "lp-41-old", credentials=first) as old:
+        await old.wait_connected(10)
+        second = await admin.ensure_job("41", STARTED + 3600)
+        assert second[0] == first[0] and second[1] != first[1]
+        for _ in range(100):
+            if not old.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert not old.connected, "the earlier job's session outlived its account"
+    with pytest.raises(aiomqtt.MqttError, match="[Nn]ot authori[sz]ed|[Bb]ad user name or password"):
+        async with _client(mosquitto, first):
+            pass
+    async with _client(mosquitto, second):
+        pass  # the new job's launchpads get in
+    assert await admin.ensure_job("41", STARTED + 3600) == second  # asked again: the same, nobody kicked
+
+
+@sync
 async def test_accounts_of_jobs_that_ended_meanwhile_are_swept(mosquitto: Mosquitto, tmp_path: Path) -> None:
     """A torchpassd that was down when jobs ended removes their accounts when it starts again (it
     asks Slurm about every job account the broker holds); running jobs' accounts stay usable."""
     admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
     for job in ("31", "32", "33"):
-        await admin.ensure_job(job)
+        await admin.ensure_job(job, STARTED)
 
     async def running(job: str) -> bool:
         return job == "32"
     assert sorted(await admin.sweep(running)) == ["31", "33"]
     clients = await admin.list_clients()
     assert "tp-job-32" in clients and "tp-job-31" not in clients and "tp-job-33" not in clients
-    async with _client(mosquitto, (admin.username("32"), admin.password("32"))):
+    async with _client(mosquitto, (admin.username("32"), admin.password("32", STARTED))):
         pass  # the running job's launchpads still get in
 
     async def slurm_unreachable(job: str) -> bool:
@@ -178,7 +219,7 @@ async def test_admin_calls_fail_clearly_without_the_plugin(tmp_path: Path) -> No
         cfg = dataclasses.replace(plain.config(), username="torchpassd", password_file=str(tmp_path / "pw"))
         (tmp_path / "pw").write_text("x\n")
         with pytest.raises(BrokerAuthError, match="dynamic security plugin did not answer"):
-            await BrokerAdmin(cfg, tmp_path / "secret").ensure_job("1")
+            await BrokerAdmin(cfg, tmp_path / "secret").ensure_job("1", STARTED)
 
 
 @sync
@@ -187,7 +228,7 @@ async def test_tls_listener_with_its_own_ca(mosquitto: Mosquitto, tmp_path: Path
     clients verify it: one that trusts another CA, or speaks plain MQTT, gets nowhere."""
     cfg = mosquitto.config()
     assert cfg.tls_ca
-    creds = await BrokerAdmin(cfg, tmp_path / "secret").ensure_job("31")  # the admin over TLS
+    creds = await BrokerAdmin(cfg, tmp_path / "secret").ensure_job("31", STARTED)  # the admin over TLS
     async with mqtt.ControlClient(cfg, "lp-31", credentials=creds) as lp:
         await lp.wait_connected(10)
         await lp.publish(protocol.hb_topic("31", "n1"), _payload("31", "n1"), timeout=5)

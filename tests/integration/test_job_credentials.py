@@ -20,8 +20,9 @@ from torchpassd.broker_auth import BrokerAdmin
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.security, pytest.mark.timeout(120)]
 NOBODY = 65534
-JOBS = {"100": JobFacts(owner_uid=0, nodes=("na1", "na2")), "200": JobFacts(owner_uid=0, nodes=("nb1",)),
-        "300": JobFacts(owner_uid=NOBODY, nodes=("nc1",))}
+JOBS = {"100": JobFacts(owner_uid=0, nodes=("na1", "na2"), started=1_700_000_100),
+        "200": JobFacts(owner_uid=0, nodes=("nb1",), started=1_700_000_200),
+        "300": JobFacts(owner_uid=NOBODY, nodes=("nc1",), started=1_700_000_300)}
 
 
 class Server:
@@ -33,9 +34,9 @@ class Server:
         async def lookup(job: str) -> JobFacts | None:
             return JOBS.get(job)
 
-        async def issue(job: str) -> tuple[str, str]:
+        async def issue(job: str, started: int) -> tuple[str, str]:
             self.issued.append(job)
-            return await issue_with.ensure_job(job) if issue_with else (f"tp-job-{job}", "pw")
+            return await issue_with.ensure_job(job, started) if issue_with else (f"tp-job-{job}", "pw")
         self.srv = CredentialServer("127.0.0.1", 0, lookup, issue, munge_socket=munge_socket)
 
     async def ask(self, credential: str) -> dict:
@@ -57,7 +58,7 @@ async def test_launchpad_gets_a_working_account(mosquitto: Mosquitto, munged: st
         creds = await fetch(f"127.0.0.1:{s.srv.port}", "100", "na2", munge_socket=munged)
         with pytest.raises(CredentialError, match="node nb1 is not one of job 100's nodes"):
             await fetch(f"127.0.0.1:{s.srv.port}", "100", "nb1", munge_socket=munged)
-    assert creds == (admin.username("100"), admin.password("100")) and s.issued == ["100"]
+    assert creds == (admin.username("100"), admin.password("100", JOBS["100"].started)) and s.issued == ["100"]
     async with mqtt.ControlClient(mosquitto.config(), "lp-100", credentials=creds) as lp:
         await lp.wait_connected(10)
         await lp.publish(protocol.hb_topic("100", "na2"), b"x", timeout=5)

@@ -25,6 +25,7 @@ from torchpassd.broker_auth import BrokerAdmin
 pytestmark = [pytest.mark.mqtt, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
 JOB, NODE = "4242", "n1"
+STARTED = 1_700_004_242  # the job's start time, which its broker password is bound to
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
@@ -87,7 +88,7 @@ asyncio.run(main())
 
 def job_account(mosquitto, tmp_path: Path) -> tuple[str, str]:
     """The broker account torchpassd gives job JOB (what its launchpads publish with)."""
-    return run(BrokerAdmin(mosquitto.config(), tmp_path / "secret").ensure_job(JOB))
+    return run(BrokerAdmin(mosquitto.config(), tmp_path / "secret").ensure_job(JOB, STARTED))
 
 
 def test_last_will_reports_a_killed_client_offline(mosquitto, tmp_path):

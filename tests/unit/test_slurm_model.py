@@ -12,7 +12,7 @@ SPARE = {"name": "n5", "state": "idle", "state_flags": ["RESERVED"], "reason": "
          "reason_set_by_user": None, "address": "10.77.2.15", "alloc_cpus": 0}
 JOB = {"job_id": 14, "name": "wrap", "user_name": "root", "job_state": "RUNNING", "nodes": "n[2-3]",
        "batch_host": "n2", "partition": "main", "comment": "torchpass:mode=aware,spares=0",
-       "admin_comment": "", "resize_time": 0}
+       "admin_comment": "", "resize_time": 0, "start_time": 1796223000}
 
 
 def test_draining_node_22_05() -> None:
@@ -45,6 +45,12 @@ def test_torchpass_job_from_comment_marker() -> None:
 
 def test_24_11_job_state_list() -> None:
     assert openapi.job(dict(JOB, job_state=["RUNNING", "RESIZING"])).state == "RUNNING"
+
+
+def test_job_start_time_both_shapes() -> None:
+    """The start time (job credentials are bound to it): a number (22.05) or {"set", "number"} (24.11)."""
+    assert openapi.job(JOB).start_time == 1796223000
+    assert openapi.job(dict(JOB, start_time={"set": True, "infinite": False, "number": 1796223001})).start_time == 1796223001
 
 
 def test_reservation_activity_follows_its_times() -> None:
