@@ -140,7 +140,8 @@ class ControlClient:
                 await client.subscribe(topic_filter, qos=1)
 
     async def messages(self) -> AsyncIterator[tuple[str, protocol.Message]]:
-        """Yield ``(topic, message)`` for every valid message, across reconnects, forever.
+        """Yield ``(topic, message)`` for every valid message, across reconnects, forever (an empty
+        payload, which clears a retained message, is none).
         A payload that fails decoding, or whose kind, job or node does not match its topic,
         is logged as ``mqtt.message_rejected`` and skipped. Use one consumer per client."""
         while True:
@@ -200,7 +201,8 @@ class ControlClient:
             announce = asyncio.create_task(self._announce(self._on_connect)) if self._on_connect else None
             try:
                 async for message in client.messages:
-                    self._inbox.put_nowait((str(message.topic), bytes(message.payload)))
+                    if message.payload:  # an empty one removes a retained message: no message itself
+                        self._inbox.put_nowait((str(message.topic), bytes(message.payload)))
             finally:
                 if announce is not None:
                     announce.cancel()

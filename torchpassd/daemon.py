@@ -39,6 +39,7 @@ from torchpassd.health_watch import HealthWatch
 from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
 from torchpassd.report_gate import ReportGate
+from torchpassd.retained import RetainedStates
 
 RETRY_AFTER_S = 5.0  # a rolled-back or blocked migration is retried no sooner than this
 
@@ -370,7 +371,7 @@ class Reports:
 
 
 async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch, gate: ReportGate,
-                 accounts: broker_auth.JobAccounts | None = None) -> None:
+                 retained: RetainedStates, accounts: broker_auth.JobAccounts | None = None) -> None:
     async for e in watcher.events():
         if accounts is not None:
             accounts.on_slurm(e)  # a job's broker account lives as long as the job
@@ -379,6 +380,8 @@ async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch, gate
         elif isinstance(e, ev.JobEnded):
             health.job_ended(str(e.job))
             gate.forget(str(e.job))
+            view = orch.d.registry.jobs.get(str(e.job))  # every node a launchpad of it was on
+            retained.clear(str(e.job), {*e.nodes, *(view.nodes if view else ()), *(view.launchpads if view else ())})
         try:
             await orch.on_slurm(e)
         except TorchPassError as exc:
@@ -446,7 +449,9 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
         health = HealthWatch(cfg.health, journal, migrate=orch.request, counter=metrics.health_decisions_total,
                              drain=lambda node, reason: asyncio.to_thread(node_admin.drain, runner, node, reason))
         boot = await _first_look(slurm)
-        gate = ReportGate(lambda: watcher.last or boot, orch.moving, metrics.reports_refused_total)
+        retained = RetainedStates(client)
+        gate = ReportGate(lambda: watcher.last or boot, orch.moving, metrics.reports_refused_total,
+                          lambda job, node: retained.clear(job, (node,)))
         reports = Reports(gate, registry, commander, metrics, health, orch.unplanned.detector)
         tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
@@ -458,7 +463,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
             await asyncio.to_thread(resizer.reconcile_grants)  # before anything may grant again
             await orch.recover()
-            tasks += [asyncio.create_task(_watch(watcher, orch, health, gate, accounts)),
+            tasks += [asyncio.create_task(_watch(watcher, orch, health, gate, retained, accounts)),
                       asyncio.create_task(_tick(orch, reports, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
             tasks.append(asyncio.create_task(sdnotify.broker_status_loop(lambda: client.connected, slurm.name)))

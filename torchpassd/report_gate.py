@@ -7,7 +7,8 @@ that started after the last poll) is held until a newer Slurm snapshot decides i
 newer snapshot still contradicts is refused. Every refusal is logged (who, what, why) and counted.
 It decides nothing else: the registry, the failure detector and the health watch only ever see
 what it admitted. A launchpad's goodbye (an offline state) on a node its job had is believed even
-after Slurm shows the node gone."""
+after Slurm shows the node gone. A state report refused because its job no longer runs is handed
+to ``stale``: the launchpad left it retained on the broker, where nothing else would ever remove it."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ LOG_EVERY_S = 10.0  # a refusal repeated for the same node and reason is logged 
 class ReportGate:
     """``snapshot()``: Slurm's latest view (None before the first poll); ``moving(job)``: the nodes
     a running migration of the job brings in or takes out; ``refused``: the refusals metric
-    (label ``reason``)."""
+    (label ``reason``); ``stale(job, node)``: a state report about a job Slurm shows no longer
+    running was refused (the caller clears what the broker retained)."""
 
     def __init__(self, snapshot: Callable[[], Snapshot | None], moving: Callable[[str], Collection[str]],
-                 refused: Counter, *, rate: float = RATE, burst: float = BURST, hold_max: int = HOLD_MAX,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.snapshot, self.moving, self.refused = snapshot, moving, refused
+                 refused: Counter, stale: Callable[[str, str], None], *, rate: float = RATE, burst: float = BURST,
+                 hold_max: int = HOLD_MAX, clock: Callable[[], float] = time.monotonic) -> None:
+        self.snapshot, self.moving, self.refused, self.stale = snapshot, moving, refused, stale
         self.rate, self.hold_max, self.clock = rate, hold_max, clock
         self._rate = RateLimit(rate, burst, keep=KEEP_MAX, clock=clock)
         # (job, node, kind) -> (the latest such report, the snapshot it was judged against); in arrival order
@@ -81,6 +83,8 @@ class ReportGate:
                 else:  # most often a retained report its launchpad left behind
                     self._refuse(job, node, msg.kind, "job_not_running",
                                  f"Slurm shows no running TorchPass job {job}", level="info")
+                    if msg.kind == protocol.STATE:
+                        self.stale(job, node)
         return out
 
     def forget(self, job: str) -> None:

@@ -52,8 +52,10 @@ class World:
     def __init__(self, view: Snapshot | None) -> None:
         self.view, self.moving, self.now = view, {}, 0.0
         self.metrics = Metrics()
+        self.stale: list[tuple[str, str]] = []  # the retained states the daemon would clear
         self.gate = ReportGate(lambda: self.view, lambda j: self.moving.get(j, set()),
-                               self.metrics.reports_refused_total, clock=lambda: self.now, hold_max=8)
+                               self.metrics.reports_refused_total, lambda j, n: self.stale.append((j, n)),
+                               clock=lambda: self.now, hold_max=8)
 
     def refused(self, reason: str) -> float:
         return self.metrics.reports_refused_total.values.get((reason,), 0.0)
@@ -81,13 +83,23 @@ def test_a_forged_report_about_a_node_outside_the_job_is_refused_once_slurm_has_
 
 
 def test_a_job_without_torchpass_or_one_that_ended_vouches_for_nothing() -> None:
-    """Job 9 runs without --torchpass; job 3 ended and left its retained state behind."""
+    """Job 9 runs without --torchpass; job 3 ended and left its retained state behind: that state
+    is handed back to be cleared from the broker (a heartbeat is never retained: nothing to clear)."""
     w = World(snap(job(9, "n4", comment="")))
     assert w.gate.admit("n4", heartbeat("9", "n4")) == []
     assert w.gate.admit("n1", state("3", "n1")) == []
     w.view = snap(job(9, "n4", comment=""))
     assert w.gate.release() == []
     assert w.refused("job_not_running") == 2 and w.refused("not_in_job") == 0
+    assert w.stale == [("3", "n1")]
+
+
+def test_a_forged_state_about_a_running_job_is_refused_but_not_cleared() -> None:
+    """A state naming a node outside its running job is refused; nothing is cleared for it."""
+    w = World(snap(job(7, "n1")))
+    assert w.gate.admit("n3", state("7", "n3")) == []
+    w.view = snap(job(7, "n1"))
+    assert w.gate.release() == [] and w.refused("not_in_job") == 1 and w.stale == []
 
 
 def test_reports_of_a_job_slurm_has_not_shown_yet_wait_and_keep_their_order() -> None:
