@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from criu_hooks import preflight, runner
+from criu_hooks import image_owner, preflight, runner
 from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
@@ -348,7 +348,8 @@ class Transparent:
             ctl_r, ctl_w = os.pipe()
             fds += [ctl_r]
             inherit[res["control"]] = ctl_r
-            try:
+            try:  # images from the network restore only as this job's user (criu may run privileged)
+                image_owner.check(inc.images, uid=os.getuid(), gids={os.getgid(), *os.getgroups()}, where=where)
                 restored = await asyncio.to_thread(runner.restore, inc.images, inherit=inherit,
                                                    timeout=self.agent.timeouts.decision, where=where)
             except (CriuFailed, CriuUnavailable) as exc:
