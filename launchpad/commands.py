@@ -30,14 +30,9 @@ def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int
 
 
 def _wormhole_end(value: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
-    """``value`` if it is a wormhole end with ``keys`` (ac.DEST_KEYS or ac.SOURCE_KEYS); a map
-    carrying a filesystem path, or anything else, is a ProtocolError."""
-    if isinstance(value, dict) and "path" in value:
-        raise ProtocolError(f"{what} carries a filesystem path ({value['path']!r}): {ac.NO_PATHS}",
-                            hint=f"give a wormhole end {{{', '.join(sorted(keys))}}}")
-    if not isinstance(value, dict) or not keys <= value.keys():
-        raise ProtocolError(f"{what} must be a wormhole end {{{', '.join(sorted(keys))}}}, got "
-                            f"{sorted(value) if isinstance(value, dict) else value!r}")
+    """``value`` if it is a wormhole end with ``keys`` (ac.DEST_KEYS or ac.SOURCE_KEYS), else ProtocolError."""
+    if fault := ac.wormhole_end_fault(value, keys):
+        raise ProtocolError(f"{what} is refused: {fault}", hint=f"give a wormhole end {{{', '.join(sorted(keys))}}}")
     return value
 
 

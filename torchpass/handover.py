@@ -85,9 +85,8 @@ def has_local_shards(state: Any) -> bool:
 
 def check_dest(dest: Any, *, rank: int) -> dict[str, Any]:
     """``dest`` if it names a wormhole receiver ({"host", "port", "token"}), else WorkerError."""
-    if not isinstance(dest, dict) or "path" in dest or not ac.DEST_KEYS <= dest.keys():
-        raise WorkerError(f"save destination {_keys(dest)} is not a wormhole receiver {{host, port, token}}"
-                          + (f"; {ac.NO_PATHS}" if isinstance(dest, dict) and "path" in dest else ""),
+    if fault := ac.wormhole_end_fault(dest, ac.DEST_KEYS):
+        raise WorkerError(f"save destination refused: {fault}",
                           hint="launchpad and torchpass disagree on the agent channel", rank=rank)
     return dest
 
@@ -95,16 +94,10 @@ def check_dest(dest: Any, *, rank: int) -> dict[str, Any]:
 def check_source(source: Any, *, rank: int) -> dict[str, Any]:
     """``source`` if it names this rank's wormhole listener ({"listen_host", "port", "token"}),
     else WorkerError."""
-    if not isinstance(source, dict) or "path" in source or not ac.SOURCE_KEYS <= source.keys():
-        raise WorkerError(f"hand-over source {_keys(source)} is not a wormhole listener "
-                          "{listen_host, port, token}"
-                          + (f"; {ac.NO_PATHS}" if isinstance(source, dict) and "path" in source else ""),
+    if fault := ac.wormhole_end_fault(source, ac.SOURCE_KEYS):
+        raise WorkerError(f"hand-over source refused: {fault}",
                           hint="check TORCHPASS_JOIN_SOURCE or the recover command's load_from", rank=rank)
     return source
-
-
-def _keys(value: Any) -> str:
-    return str(sorted(value)) if isinstance(value, dict) else type(value).__name__
 
 
 def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:

@@ -42,6 +42,17 @@ MAX_FRAME = 1 << 20  # control messages only; state travels through the wormhole
 DEST_KEYS = frozenset({"host", "port", "token"})  # a donor's save / recover donation dest: the receiver
 SOURCE_KEYS = frozenset({"listen_host", "port", "token"})  # a joiner's source / load_from: its listener
 NO_PATHS = "commands never carry filesystem paths: state moves only through the wormhole"
+
+
+def wormhole_end_fault(value: Any, keys: frozenset[str]) -> str | None:
+    """Why ``value`` is not a wormhole end with ``keys`` (DEST_KEYS or SOURCE_KEYS), or None if it
+    is one. A map carrying a filesystem path never is: NO_PATHS."""
+    if isinstance(value, dict) and "path" in value:
+        return f"it carries a filesystem path ({value['path']!r}): {NO_PATHS}"
+    if not isinstance(value, dict) or not keys <= value.keys():
+        got = sorted(value) if isinstance(value, dict) else type(value).__name__
+        return f"it must be a wormhole end {{{', '.join(sorted(keys))}}}, got {got}"
+    return None
 _HEADER = struct.Struct(">I")
 
 # worker -> agent

@@ -43,7 +43,7 @@ def test_a_save_to_a_file_path_is_refused(args):
 @pytest.mark.parametrize("source", [{"path": "/tmp/rank1.state"}, {**SOURCE, "path": "/tmp/rank1.state"}],
                          ids=["path", "path-beside-wormhole"])
 def test_a_joiner_reading_a_file_path_is_refused(source):
-    with pytest.raises(ProtocolError, match="start_joiner's 'source' carries a filesystem path"):
+    with pytest.raises(ProtocolError, match="start_joiner's 'source' is refused: it carries a filesystem path"):
         run(commands().start_joiner, {"rank": 1, "source": source})
 
 
