@@ -23,6 +23,9 @@ CONTROL_TOPIC = "$CONTROL/dynamic-security/v1"
 ADMIN_ROLE = "torchpassd"
 PBKDF2_ITERATIONS = 101  # what mosquitto_ctrl writes; the plugin reads the count from the file
 TOPIC_TREE = "torchpass/#"  # every TorchPass topic (protocol.TOPIC_ROOT lies under it)
+# the most a client may send in one packet: four times the largest TorchPass message (64 KiB,
+# torchpass_common.protocol.MAX_MESSAGE_BYTES, which every reader refuses beyond)
+MAX_PACKET_BYTES = 256 * 1024
 OWNED = ("publishClientSend", "publishClientReceive", "subscribePattern", "unsubscribePattern")
 
 
@@ -61,10 +64,13 @@ class BrokerFiles:
 
 def write_broker_files(directory: str | os.PathLike[str], *, port: int, host: str = "",
                        admin_user: str = "torchpassd", tls: tuple[str, str, str] | None = None,
-                       broker_user: str = "mosquitto", plugin: Path = DYNSEC_PLUGIN) -> BrokerFiles:
+                       refuse_plain_port: int | None = None, broker_user: str = "mosquitto",
+                       plugin: Path = DYNSEC_PLUGIN) -> BrokerFiles:
     """Write mosquitto.conf (authenticated listener, the dynamic security plugin, TLS when ``tls``
     = (ca, cert, key) is given), dynamic-security.json and torchpassd's password file (0600) into
     ``directory``. The admin password is fresh; the files are the broker's state from then on.
+    ``refuse_plain_port``: also listen there without TLS and refuse every client ("not authorised"),
+    so a client set up without TLS hears a clear refusal rather than a broken handshake.
     mosquitto runs as ``broker_user`` and rewrites the plugin's file: run as root, this gives it
     the directory and that file."""
     if not plugin.exists():
@@ -87,12 +93,18 @@ def write_broker_files(directory: str | os.PathLike[str], *, port: int, host: st
                               hint="install mosquitto or pass the user mosquitto runs as") from None
         for path in (d, files.dynsec):
             os.chown(path, pw.pw_uid, pw.pw_gid)
-    lines = [f"user {broker_user}", f"listener {port} {host}".rstrip(), "allow_anonymous false",
-             "per_listener_settings false",
-             f"plugin {plugin}", f"plugin_opt_config_file {files.dynsec}"]
+    # per listener: the accounts (plugin) belong to the authenticated listener alone
+    lines = ["per_listener_settings true", f"user {broker_user}",
+             f"max_packet_size {MAX_PACKET_BYTES}",  # a client sending more is disconnected
+             f"listener {port} {host}".rstrip(),
+             "allow_anonymous false", f"plugin {plugin}", f"plugin_opt_config_file {files.dynsec}"]
     if tls:
         ca, cert, key = tls
         lines += [f"cafile {ca}", f"certfile {cert}", f"keyfile {key}", "tls_version tlsv1.2"]
+    if refuse_plain_port is not None:
+        if not tls:
+            raise ConfigError("a refusing plain listener is for a TLS broker", hint="give tls too")
+        lines += [f"listener {refuse_plain_port} {host}".rstrip(), "allow_anonymous false"]
     files.conf.write_text("# written by torchpassd.broker_auth: authenticated TorchPass broker\n"
                           + "\n".join(lines) + "\n")
     return files

@@ -52,6 +52,7 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
     assert Path(broker["tls_ca"]).is_file() and broker["username"] == "torchpassd"
     assert Path(broker["password_file"]).stat().st_mode & 0o077 == 0  # torchpassd's password: root's only
     assert info["credentials"]["credentials_endpoint"] == f"10.77.{devcluster.id}.1:{20084 + 100 * devcluster.id}"
+    assert info["broker_plain_port"] == 20082 + 100 * devcluster.id
     assert [n["name"] for n in info["nodes"]] == ["n1", "n2", "n3", "n4", "n5"]
     assert [n["spare"] for n in info["nodes"]] == [False] * 4 + [True]
     assert all(n["addr"] == f"10.77.{devcluster.id}.{10 + i}" for i, n in enumerate(info["nodes"], 1))
@@ -65,17 +66,28 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
 @slurm
 @pytest.mark.security
 def test_the_broker_refuses_anonymous_clients_and_plain_mqtt(devcluster: DevCluster) -> None:
-    """What an operator tries first: publishing a command with no account. With the cluster's CA
-    the broker answers "not authorised" (a refusal, not a connection error); without TLS the
-    client gets nowhere; from inside a node the same."""
+    """What an operator tries first: publishing a command with no account. The broker's plain port
+    answers "not authorised" to everyone (a refusal, not a connection error), torchpassd's own
+    account included: no account works without TLS. On the TLS port, with the cluster's CA, no
+    account is refused the same way, a plain client there gets nowhere; from inside a node the same."""
     b = devcluster.info["broker"]
-    pub = ["mosquitto_pub", "-h", b["host"], "-p", str(b["port"]), "-t", "torchpass/v1/jobs/1/nodes/n1/cmd", "-m", "x"]
+    topic = ["-t", "torchpass/v1/jobs/1/nodes/n1/cmd", "-m", "x"]
+    plain_port = ["mosquitto_pub", "-h", b["host"], "-p", str(devcluster.info["broker_plain_port"]), *topic]
+    password = Path(b["password_file"]).read_text().strip()
+    for who in ([], ["-u", b["username"], "-P", password]):
+        refused = subprocess.run([*plain_port, *who], capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0 and "not authorised" in (refused.stdout + refused.stderr), refused
+    pub = ["mosquitto_pub", "-h", b["host"], "-p", str(b["port"]), *topic]
     refused = subprocess.run([*pub, "--cafile", b["tls_ca"]], capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "not authori" in (refused.stdout + refused.stderr).lower(), refused
     plain = subprocess.run(pub, capture_output=True, text=True, timeout=30)
     assert plain.returncode != 0 and "not authori" not in (plain.stdout + plain.stderr).lower(), plain
-    inside = devcluster.exec("n3", [*pub, "--cafile", b["tls_ca"]], check=False)
-    assert inside.returncode != 0 and "not authori" in (inside.stdout + inside.stderr).lower(), inside
+    inside = devcluster.exec("n3", [*plain_port], check=False)
+    assert inside.returncode != 0 and "not authorised" in (inside.stdout + inside.stderr), inside
+    accepted = subprocess.run(["mosquitto_pub", "-h", b["host"], "-p", str(b["port"]), "-t", "torchpass/v1/probe",
+                               "-m", "x", "--cafile", b["tls_ca"], "-u", b["username"], "-P", password],
+                              capture_output=True, text=True, timeout=30)
+    assert accepted.returncode == 0, accepted  # the control: the account over TLS gets in
 
 
 @slurm

@@ -35,7 +35,8 @@ def write(inst: Instance) -> None:
         tls = make_broker_tls(directory(inst) / "tls", [inst.bridge_addr, "ctl"],
                               ca_name=f"tpdevcluster-{inst.id}-ca")
         files = write_broker_files(directory(inst), port=inst.port("mosquitto"), host=inst.bridge_addr,
-                                   admin_user=ADMIN, tls=tls.as_tuple(), broker_user="root")
+                                   admin_user=ADMIN, tls=tls.as_tuple(), broker_user="root",
+                                   refuse_plain_port=inst.port("mosquitto_plain"))
     except ConfigError as exc:
         raise DevClusterError(f"cannot set up the broker: {exc.message}", instance=inst.id, hint=exc.hint) from exc
     files.conf.write_text(files.conf.read_text() + LOG_LINES)

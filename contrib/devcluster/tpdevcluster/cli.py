@@ -63,7 +63,8 @@ def _print_status(info: dict[str, Any]) -> None:
     print(f"dev cluster {info['id']}: {'UP' if info['up'] else 'DOWN'}   state {info['state_dir']}")
     print(f"SLURM_CONF={info['slurm_conf']}")
     broker = info["broker"]
-    print(f"broker     {broker['host']}:{broker['port']} (TLS, CA {broker['tls_ca']}; accounts only)")
+    print(f"broker     {broker['host']}:{broker['port']} (TLS, CA {broker['tls_ca']}; accounts only); "
+          f"port {info['broker_plain_port']} without TLS refuses everyone")
     res = info["spare_reservation"]
     print(f"spares     reservation {res['name']}: {', '.join(res['nodes']) or '(none)'}")
     if info["nodes"]:

@@ -184,6 +184,7 @@ def status(inst: Instance) -> dict[str, Any]:
         "torchpass_config": str(inst.torchpass_config),
         "broker": broker.settings(inst),
         "credentials": broker.credentials(inst),
+        "broker_plain_port": inst.port("mosquitto_plain"),  # no TLS: refuses every client
         "slurmctld": {"host": inst.bridge_addr, "port": inst.port("slurmctld")},
         "nodes": nodes,
         "spare_reservation": {"name": SPARE_RESERVATION, "nodes": reserved or []},

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # Port offsets from 20000 + 100 * id (the team's interface contract).
 PORT_OFFSETS = {"mariadb": 6, "slurmctld": 17, "slurmd": 18, "slurmdbd": 19, "slurmrestd": 20,
-                "mosquitto": 83, "credentials": 84}
+                "mosquitto_plain": 82, "mosquitto": 83, "credentials": 84}
 
 
 @dataclass(frozen=True)
