@@ -12,39 +12,22 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import structlog
-import torch
 
-from launchpad.telemetry.encoding import DeltaDecoder
-from launchpad.wormhole.layout import flatten, unflatten
-from torchpass_common import agent_channel, log, mqtt, protocol
+from tests.support.decoders import DECODERS, REFUSALS, VALID, valid_inputs
+from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import BrokerConfig
-from torchpass_common.errors import ProtocolError, WormholeError
-from torchpassd.control_socket import ControlSocketError, decode_line
 
 pytestmark = [pytest.mark.security]
 COUNT = int(os.environ.get("TORCHPASS_FUZZ_100K", "100000"))
 HANG_S = 1.0
 KEYS = ["v", "kind", "job", "gen", "id", "ts", "body", "t", "s", "b", "g", "x", "n", "node", "seq", "workers",
         "cmd", "args", "migration", "op", "rank", "step", "state"]
-VALID = [
-    protocol.encode(protocol.HEARTBEAT, job="9", gen=2,
-                    body={"node": "n1", "seq": 3, "workers": [{"rank": 0, "step": 5, "state": "run"}]}),
-    protocol.encode(protocol.COMMAND, job="9", gen=2, body={"cmd": "pause", "migration": "m1", "args": {"at_step": 4}}),
-    agent_channel.encode(agent_channel.message(agent_channel.RESUME, gen=3))[4:],
-    msgpack.packb({"s": 1, "t": 1.5, "n": "nvml", "g": {"0": {"temp": 40, "ecc": 0}}}),
-    b'{"op":"status","args":{}}',
-]
-SKELETON = flatten({"rng": np.random.RandomState(3).get_state(), "step": (7, 2**70), "ids": {1, 2},
-                    "w": torch.ones(2)})[0]  # what a wormhole sender sends first
-
-
 def _value(rng: random.Random, depth: int = 0) -> Any:
     r = rng.random()
     if depth > 3 or r < 0.45:
@@ -87,33 +70,7 @@ def inputs(seed: int, n: int, *, as_json: bool = False, valid: list[bytes] = VAL
             yield bytes(base)
 
 
-def _protocol(data: bytes) -> None:
-    protocol.decode(data)
 
-
-def _agent_channel(data: bytes) -> None:
-    agent_channel._decode_body(data)  # what AsyncChannel/SyncChannel run on each frame body
-
-
-def _telemetry(data: bytes) -> None:
-    try:
-        msg = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ProtocolError("not msgpack") from exc  # protocol.decode refuses these before telemetry sees them
-    DeltaDecoder().apply(msg)
-
-
-def _skeleton(data: bytes) -> None:
-    unflatten(data, [None] * 4)  # a receiver's leaves are its own tensors; only the skeleton is foreign
-
-
-def _control_line(data: bytes) -> None:
-    decode_line(data)  # ControlSocketError is a ProtocolError's sibling: both TorchPassError
-
-
-DECODERS: dict[str, Callable[[bytes], None]] = {"protocol.decode": _protocol, "agent_channel": _agent_channel,
-                                                "telemetry.DeltaDecoder": _telemetry, "control_socket.decode_line": _control_line,
-                                                "wormhole.layout.unflatten": _skeleton}
 
 
 @pytest.mark.slow
@@ -123,13 +80,13 @@ def test_100k_hostile_inputs_per_decoder(name: str) -> None:
     decode = DECODERS[name]
     accepted = refused = 0
     slowest, t0 = 0.0, time.perf_counter()
-    valid = [SKELETON] if name == "wormhole.layout.unflatten" else VALID
+    valid = valid_inputs(name)
     for i, data in enumerate(inputs(seed=sum(name.encode()), n=COUNT, as_json=name.startswith("control"), valid=valid)):
         start = time.perf_counter()
         try:
             decode(data)
             accepted += 1
-        except (ProtocolError, ControlSocketError, WormholeError):
+        except REFUSALS:
             refused += 1
         except Exception as exc:  # the finding: anything else would crash the reading loop
             raise AssertionError(f"{name} raised {type(exc).__name__}: {exc} on input #{i}: {data[:200]!r}") from exc
