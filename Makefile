@@ -28,12 +28,14 @@ spank:
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 unit: setup
 	$(VENV)/bin/pytest tests/unit -q
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q --durations=20
 
 # The long cases CI leaves out: more layouts and modes of what CI tests once, soaks, fuzzing.

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torchpass.group import TorchPassGroup
+if TYPE_CHECKING:  # at run time the group is only passed through
+    from torchpass.group import TorchPassGroup
 from torchpass_common.errors import WorkerError
 
 _instances: list[weakref.ReferenceType[DDP]] = []

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, TorchPassError
 from torchpassd import drill_gpu, drill_transparent, drill_unplanned
 from torchpassd.ctl_client import DaemonClient
+from torchpassd.drill_report import DrillReport, compare
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
 MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplanned.MODES)
@@ -33,33 +34,6 @@ srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_
 """
 
 
-@dataclass
-class DrillReport:
-    """What ``torchpassctl drill --json`` prints."""
-
-    ok: bool = False
-    mode: str = "planned-aware"
-    job_id: str = ""
-    migrated_from: str = ""
-    migrated_to: str = ""
-    detect_s: float | None = None
-    pause_s: float | None = None
-    resumed_at_step: int | None = None
-    expected_step: int | None = None
-    lost_steps: int | None = None
-    bit_identical: bool = False
-    error: str | None = None
-    drain_reason: str = ""  # gpu-degrade: why torchpassd drained the node
-    fault: str = ""  # unplanned: kill or cut (drill_unplanned.py)
-    step_at_kill: int | None = None  # unplanned: the highest step any rank had started at the kill
-    workdir: str = ""
-    moved_ranks: list[int] = field(default_factory=list)  # every rank of the failed node
-    rollbacks: list[str] = field(default_factory=list)  # migrations rolled back before the one that moved them
-    job_state: str = ""  # the job's final Slurm state: COMPLETED, as if nothing had happened
-    timeline: list[dict[str, Any]] = field(default_factory=list)
-    move: dict[str, Any] = field(default_factory=dict)  # planned-transparent: dump, transfer, restore
-
-
 @dataclass(frozen=True)
 class DrillSettings:
     nodes: int = 4
@@ -70,34 +44,6 @@ class DrillSettings:
     rdzv_port: int = 29500
     timeout: float = 600.0
     state_mib: int = 0  # extra state per rank carried by save/load (bench recovery: pause vs state size)
-
-
-def read_log(path: Path) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
-    """The example script's ``--log``: (rank, step, loss hex) in file order, and final hashes. A last
-    line without its newline is still being written by a rank: it is left for the next read."""
-    steps, finals = [], {}
-    text = path.read_text()
-    for line in text[:text.rfind("\n") + 1].splitlines():
-        rec = json.loads(line)
-        if "final" in rec:
-            finals[rec["rank"]] = rec["final"]
-        else:
-            steps.append((rec["rank"], rec["step"], rec["loss"]))
-    return steps, finals
-
-
-def compare(run: Path, ref: Path, rank: int, expected_step: int, report: DrillReport) -> None:
-    """Fill in resumed_at_step (the first step the moved rank logged after its first
-    ``expected_step`` lines), lost_steps and bit_identical."""
-    got, got_final = read_log(run)
-    want, want_final = read_log(ref)
-    seq = [s for r, s, _ in got if r == rank]
-    report.expected_step = expected_step
-    report.resumed_at_step = seq[expected_step] if len(seq) > expected_step else None
-    have = {(r, s): loss for r, s, loss in got}
-    report.lost_steps = sum(1 for r, s, _ in want if (r, s) not in have)
-    report.bit_identical = (len(got) == len(want) and {(r, s): x for r, s, x in want} == have
-                            and got_final == want_final and bool(want_final))
 
 
 class Drill:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpass_common.errors import MigrationError, TorchPassError
+from torchpassd.drill_report import compare, read_log
 
 if TYPE_CHECKING:
     from torchpassd.drill import Drill
@@ -122,7 +123,6 @@ def judge(run_log: Path, ref_log: Path, rank: int, failed_step: int, offset: int
     first step logged for it after the kill (by its joiner). Lines repeated for the failed step
     must repeat the same loss and are then counted once; any other repetition is a recomputed
     step. Then the planned drill's comparison (lost steps, every loss, final hashes)."""
-    from torchpassd.drill import compare  # noqa: PLC0415 - drill imports this module
 
     text = run_log.read_text()
     cut = text.rfind("\n", 0, offset) + 1
@@ -156,7 +156,6 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
     """Strike ``victim`` while the job trains, follow the recovery, finish and judge the run."""
     rep = drill.report
     fault_kind = "cut" if drill.mode == CUT_MODE else "kill"
-    from torchpassd.drill import read_log  # noqa: PLC0415 - drill imports this module
     fault = Fault(drill, fault_kind)
     rep.fault = fault_kind
     job = drill._job() or {}

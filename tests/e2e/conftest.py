@@ -21,7 +21,8 @@ from tests.support.devcluster import DevCluster
 from torchpass_common.config import derive
 from torchpass_common.errors import TorchPassError
 from torchpassd.ctl_client import DaemonClient
-from torchpassd.drill import EXAMPLE, read_log
+from torchpassd.drill import EXAMPLE
+from torchpassd.drill_report import read_log
 
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "rolled_back")

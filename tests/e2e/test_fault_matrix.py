@@ -21,7 +21,7 @@ from tests.e2e.conftest import Daemon, Training, assert_bit_identical, reference
 from tests.e2e.test_planned_migration import STEPS, restart_broker
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
-from torchpassd.drill import DrillReport, read_log
+from torchpassd.drill_report import DrillReport, read_log
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.matrix]

@@ -21,7 +21,7 @@ from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sac
 from tests.support.devcluster import DevCluster
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
-from torchpassd.drill import read_log
+from torchpassd.drill_report import read_log
 from torchpassd.journal import Journal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]

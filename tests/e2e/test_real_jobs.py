@@ -23,7 +23,8 @@ from tests.e2e.conftest import (
     sacct_state,
 )
 from tests.support.devcluster import DevCluster
-from torchpassd.drill import EXAMPLE, DrillReport, read_log
+from torchpassd.drill import EXAMPLE
+from torchpassd.drill_report import DrillReport, read_log
 from torchpassd.drill_transparent import SCRIPT as TUTORIAL
 from torchpassd.drill_unplanned import judge
 

@@ -27,7 +27,7 @@ from tests.e2e.conftest import (
     wait_until,
 )
 from tests.support.devcluster import DevCluster
-from torchpassd.drill import read_log
+from torchpassd.drill_report import read_log
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 

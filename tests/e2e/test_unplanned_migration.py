@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.conftest import Daemon, Training, reference_log, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
-from torchpassd.drill import DrillReport
+from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]

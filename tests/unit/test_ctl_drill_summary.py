@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from torchpassd.ctl_ops import drill_summary
-from torchpassd.drill import DrillReport
+from torchpassd.drill_report import DrillReport
 
 
 def _lines(rep: DrillReport) -> dict[str, str]:

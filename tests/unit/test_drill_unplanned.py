@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpassd.drill import DrillReport
+from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge, kill_script
 
 

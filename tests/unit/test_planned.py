@@ -16,7 +16,7 @@ from torchpass_common import protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError
 from torchpassd import journal as jn
-from torchpassd.drill import DrillReport, compare
+from torchpassd.drill_report import DrillReport, compare
 from torchpassd.planned import WORMHOLE_PORT_BASE, Deps, Plan, PlannedMigration, WorkerTemplate, joiner_port
 from torchpassd.registry import Registry
 
