@@ -47,6 +47,8 @@ class Cluster:
     restart_overhead_s: float = 0.0
     job_nodes: int = 0  # nodes stopped by one failure under checkpoint-restart (0: the whole cluster)
     pause_s: float | None = None  # TorchPass pause to project with when the journal has no migration
+    repair_hours: float = 48.0  # a failed node's mean time away before it is a spare again (spare_sizing.py)
+    spare_backfill: float = 0.0  # share of a held spare's GPU-hours preemptible backfill jobs use (0..1)
     restart_source: str = "given"
 
     @property
@@ -96,6 +98,8 @@ class Cluster:
         bad = [k for k, v in numbers.items() if not isinstance(v, int | float) or v < 0]
         if bad or self.nodes < 1 or self.gpus_per_node < 1:
             raise ConfigError(f"{where}: {', '.join(bad) or 'nodes/gpus_per_node'} must be positive numbers")
+        if self.spare_backfill > 1:
+            raise ConfigError(f"{where}: spare_backfill is a share of a spare's time, between 0 and 1")
 
 
 @dataclass(frozen=True)
