@@ -98,8 +98,12 @@ class Agent:
             outcome = await self.group.supervise(self._stop, lambda: self._signal,
                                                  self._remote_failure(rnd, m.nnodes), spec.monitor_interval)
             if outcome.ok:
+                # a store host whose ranks all moved away (the job's batch host, which Slurm keeps in
+                # the job) keeps the store for as long as the other nodes train
+                emptied = self.group.emptied()
                 try:  # nodes lost on the way never report done
-                    await self._store(self.rdzv.finish, rnd, m.nnodes - self.lost_nodes, self.timeouts.reform)
+                    await self._store(self.rdzv.finish, rnd, m.nnodes - self.lost_nodes,
+                                      None if emptied else self.timeouts.reform)
                 except Exception as exc:
                     if not self.lost_nodes:
                         raise

@@ -83,6 +83,8 @@ class ControlPlane:
         workers = []
         group = self.agent.group
         for w in (group.workers.values() if group else ()):
+            if w.returncode is not None and (w.moved or w.pid in group.told_to_exit):
+                continue  # its rank runs elsewhere now: not this node's any more
             lk = links.get(w.pid)
             state = "exited" if w.returncode is not None else (lk.state if lk else "starting")
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,

@@ -169,6 +169,11 @@ class WorkerGroup:
             return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
         return None
 
+    def emptied(self) -> bool:
+        """Every worker here left for another node: a migration moved it (criu) or told it to exit
+        once its rank ran elsewhere. The node stays in the job only if Slurm cannot release it."""
+        return bool(self.workers) and all(w.moved or w.pid in self.told_to_exit for w in self.workers.values())
+
     async def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker still running: ``sig`` first, SIGKILL after the grace period."""
         await asyncio.gather(*(w.stop(sig, self.spec.grace_period) for w in self.workers.values()))

@@ -165,13 +165,14 @@ class Rendezvous:
         key = self._key(rnd, "failed")
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def finish(self, rnd: int, nnodes: int, timeout: float) -> None:
-        """Report this node done; the hosting agent waits (bounded) until every node is, so the
-        store outlives the other nodes' workers."""
+    def finish(self, rnd: int, nnodes: int, timeout: float | None) -> None:
+        """Report this node done; the hosting agent waits until ``nnodes`` are (at most ``timeout``
+        seconds; None: until then, another node's failure report or a stop), so the store outlives
+        the other nodes' workers."""
         self.store.add(self._key(rnd, "done"), 1)
         if not self.hosting:
             return
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         while self.store.add(self._key(rnd, "done"), 0) < nnodes and self.failure(rnd) is None:
             if time.monotonic() > deadline:
                 self._log.warning("rendezvous.finish_timeout", round=rnd, waited=timeout)

@@ -137,6 +137,10 @@ class Orchestrator:
 
     def request(self, job: str, node: str, reason: str) -> None:
         """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""
+        if node in self.d.registry.job(job).emptied:
+            self.log.info("migration.not_needed", job=job, node=node, reason=reason,
+                          why="the node runs no ranks of the job any more (they moved away)")
+            return
         if (job, node) not in self.pending:
             self.pending[(job, node)] = (time.time(), reason)
             self.failed_spares.pop((job, node), None)  # a new incident gets its own spares
@@ -175,10 +179,6 @@ class Orchestrator:
         view = self.d.registry.jobs.get(job)
         if view is None or not view.user:
             return "job not (yet) seen in Slurm", False
-        if node == view.batch_host:
-            return (f"{node} is the batch host of job {job}: Slurm cannot take it out of a running job, so its ranks "
-                    f"cannot move; the job runs on there, unprotected against {node}'s failure (its other nodes "
-                    "stay protected)"), True
         lp = view.launchpads.get(node)
         if lp is None or not lp.online or not lp.workers:
             return f"waiting for the launchpad on {node} to report its ranks", False

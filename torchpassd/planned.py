@@ -191,8 +191,14 @@ class Flow:
         if status not in jn.TERMINAL or not self.plan.gen_after:
             return None
         left, joined = self.swapped() if status == jn.SUCCEEDED else ((), ())
-        nodes = [n for n in dict.fromkeys((*self.view().nodes, *joined)) if n not in left]
+        nodes = [n for n in dict.fromkeys((*self.view().nodes, *joined)) if n not in left or self.keeps_source()]
         return jn.JobAfter(self.plan.gen_after, nodes)
+
+    def keeps_source(self) -> bool:
+        """The leaving node is the job's batch host: Slurm cannot take it out of the running job,
+        so it stays in it, running no ranks; its launchpad keeps the rendezvous store the job's
+        groups re-form through until the job ends."""
+        return self.plan.source == self.view().batch_host
 
     def swapped(self) -> tuple[list[str], list[str]]:
         """The nodes a succeeded migration took out of the job, and those it put in."""
@@ -451,15 +457,20 @@ class PlannedMigration(Flow):
             p.resumed_at, p.gen_after = time.time(), p.new_gen
             pause_s = p.resumed_at - p.paused_at
             await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.paused_step)
-            await self._source_gone()
-            await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.source)
+            if self.keeps_source():
+                self.view().emptied.add(p.source)
+                self.log.info("migration.batch_host_kept", node=p.source,
+                              why="Slurm cannot release a job's batch host; it runs no ranks from now on")
+            else:
+                await self._source_gone()
+                await asyncio.to_thread(self.d.resizer.release_node, int(p.job), p.source)
         except TorchPassError as exc:
             await self.phase(FAILED, jn.FAILED, error=str(exc))
             self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
             return jn.FAILED
         self.d.metrics.migration_pause_seconds.observe(pause_s)
         self.d.metrics.migrations_total.inc(mode=self.mode, outcome="succeeded")
-        await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3))
+        await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3), kept_in_job=self.keeps_source())
         self.d.steps.pop(self._step_key(p.target), None)
         return jn.SUCCEEDED
 

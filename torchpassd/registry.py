@@ -53,6 +53,7 @@ class JobView:
     launchpads: dict[str, Launchpad] = field(default_factory=dict)
     blocked: str = ""  # why a wanted migration cannot start (e.g. no spare), for operators
     replicas: dict[int, list[int]] = field(default_factory=dict)  # rank -> ranks holding the same state
+    emptied: set[str] = field(default_factory=set)  # nodes still in the job whose ranks moved away (the batch host)
 
     def launchpad(self, node: str) -> Launchpad:
         return self.launchpads.setdefault(node, Launchpad(node))

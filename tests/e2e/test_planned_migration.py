@@ -258,17 +258,28 @@ def test_torchpassd_sigkill_in_each_phase_then_restart(torchpassd: Daemon, devcl
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
 
 
-@pytest.mark.matrix
-def test_a_drained_batch_host_keeps_its_ranks_and_the_job_is_told_once(
+def test_a_drained_batch_host_hands_its_ranks_to_a_spare_and_stays_in_the_job(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
-    """Slurm cannot take a job's batch host out of it: a drain there moves nothing, the job hears
-    why once in its own output, trains on and ends COMPLETED, bit-identical."""
+    """Slurm cannot take a job's batch host out of the running job, but its ranks can leave: they
+    move to the spare like any node's. The host stays in the job running no ranks (its launchpad
+    keeps the rendezvous store the groups re-form through) and is drained once the job ends
+    COMPLETED, bit-identical; nothing is moved off it a second time."""
     job = training(devcluster, tp_config, workdir, torchpassd)
     host = devcluster.job_record(job.job)["BatchHost"]
+    ranks = sorted(w["rank"] for w in torchpassd.job(job.job)["launchpads"][host]["workers"])
     devcluster.drain(host, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, host)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["ranks"]) == ranks and ranks, handed
+    released = next(p for p in mig["phases"] if p["phase"] == "released")
+    assert released["detail"]["kept_in_job"] is True, released
+    in_job = devcluster.job_record(job.job)["NodeList"]
+    assert host in hostlist.expand(in_job) and "n5" in hostlist.expand(in_job), in_job
+    wait_until(f"{host}'s launchpad to report no ranks",
+               lambda: torchpassd.job(job.job)["launchpads"][host]["workers"] == [], 30)
     assert_bit_identical(job.wait_done(), reference(STEPS))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
-    assert torchpassd.migrations(job.job) == []
-    told = [ln for ln in job.out.read_text().splitlines() if "is the batch host" in ln]
-    assert len(told) == 1 and told[0].startswith(f"torchpass: job {job.job} is not protected right now: {host} is "
-                                                 f"the batch host of job {job.job}: Slurm cannot take it out"), told
+    assert "drain" in devcluster.node_state(host)  # out of the job now: the operator can service it
+    assert len(torchpassd.migrations(job.job)) == 1

@@ -113,3 +113,24 @@ def test_a_join_plan_that_does_not_fit_is_refused_clearly(monkeypatch) -> None: 
     monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, "{not json")
     with pytest.raises(WorkerError, match="not a join plan"):
         join_plan(1)
+
+
+def test_a_node_whose_workers_all_left_by_migration_is_emptied(tmp_path: Path) -> None:
+    """The batch host after its ranks moved: every worker exited because a migration told it to
+    (or criu moved it), so the node runs none of the job's ranks; one that ended on its own, or
+    one still running, means the node still has its ranks."""
+    spec = LaunchSpec(entrypoint=sys.executable, args=("-c", "import sys; sys.exit(0)"), no_python=True)
+
+    async def main() -> list[bool]:
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path=str(tmp_path / "agent.sock"))
+        seen = [group.emptied()]  # no workers at all: nothing left by migration
+        a = group.adopt(await workers.spawn(spec, group.router, 0, 0, {}))
+        b = group.adopt(await workers.spawn(spec, group.router, 1, 1, {}))
+        await asyncio.gather(a.wait(), b.wait())
+        group.told_to_exit.add(a.pid)
+        seen.append(group.emptied())  # b ended on its own
+        b.moved = True
+        seen.append(group.emptied())
+        return seen
+
+    assert asyncio.run(main()) == [False, False, True]
