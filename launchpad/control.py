@@ -82,9 +82,8 @@ class ControlPlane:
         links = {lk.pid: lk for lk in self.agent.channel.links.values()}
         workers = []
         group = self.agent.group
-        for w in (group.workers.values() if group else ()):
-            if w.returncode is not None and (w.moved or w.pid in group.told_to_exit):
-                continue  # its rank runs elsewhere now: not this node's any more
+        # a node all of whose ranks moved away (the batch host, which stays in the job) runs none
+        for w in (group.workers.values() if group and not group.emptied() else ()):
             lk = links.get(w.pid)
             state = "exited" if w.returncode is not None else (lk.state if lk else "starting")
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,

@@ -170,9 +170,10 @@ class WorkerGroup:
         return None
 
     def emptied(self) -> bool:
-        """Every worker here left for another node: a migration moved it (criu) or told it to exit
-        once its rank ran elsewhere. The node stays in the job only if Slurm cannot release it."""
-        return bool(self.workers) and all(w.moved or w.pid in self.told_to_exit for w in self.workers.values())
+        """Every worker here left for another node and ended: a migration moved it (criu) or told
+        it to exit once its rank ran elsewhere. The node stays in the job only if Slurm cannot release it."""
+        return bool(self.workers) and all(w.returncode is not None and (w.moved or w.pid in self.told_to_exit)
+                                          for w in self.workers.values())
 
     async def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker still running: ``sig`` first, SIGKILL after the grace period."""
