@@ -3,6 +3,7 @@ name this user (they pass for this job) and are refused for any other."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -33,10 +34,8 @@ def test_a_real_dump_restores_only_as_its_own_user(tmp_path: Path) -> None:
         image_owner.check(dumped.images, uid=os.getuid(), gids={os.getgid(), *os.getgroups()})
         with pytest.raises(ImageRefused, match=rf"as uid \[{os.getuid()}\], not as the job's user \(uid 65534\)"):
             image_owner.check(dumped.images, uid=65534, gids={65534})
-    finally:
-        try:
+    finally:  # the dumped worker was left stopped: kill it and its launcher
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         launcher.kill()
         launcher.wait(timeout=10)
