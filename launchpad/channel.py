@@ -13,14 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpass_common import agent_channel as ac
-from torchpass_common import log
+from torchpass_common import log, worker_state
 from torchpass_common.errors import ProtocolError, WorkerError
-
-# States a worker reports through its messages, as heartbeats show them.
-_STATE_AFTER = {ac.HELLO: "running", ac.PAUSED: "paused", ac.PAUSE_MISSED: "running", ac.SAVED: "paused",
-                ac.JOINED: "joined", ac.REFORMED: "reformed", ac.RESUMED: "running", ac.ERROR: "error",
-                ac.DETACHED: "detached"}
-_STATE_AFTER[ac.INTERRUPTED] = "interrupted"  # a peer was lost; the worker waits for recover
+from torchpass_common.worker_state import WorkerState
 
 
 @dataclass
@@ -33,7 +28,7 @@ class WorkerLink:
     joining: bool
     chan: ac.AsyncChannel
     step: int = 0
-    state: str = "running"
+    state: WorkerState = WorkerState.RUNNING
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
@@ -97,7 +92,7 @@ class ChannelServer:
             return
         if "step" in msg:
             link.step = msg["step"]
-        link.state = _STATE_AFTER.get(kind, link.state)
+        link.state = worker_state.after(link.state, kind)
         if kind == ac.INTERRUPTED:
             link.interruption, link.recovering = {k: msg[k] for k in ("gen", "registered", "error")}, True
             self._log.warning("channel.worker_interrupted", rank=link.rank, pid=link.pid, **link.interruption)

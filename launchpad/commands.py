@@ -15,6 +15,7 @@ from launchpad.channel import WorkerLink
 from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
+from torchpass_common.worker_state import WorkerState
 
 if TYPE_CHECKING:
     from launchpad.agent import Agent
@@ -267,7 +268,7 @@ class Commands:
             if group is not None and (w := group.workers.get(pid)) is not None:
                 await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
                 stopped.append(w.rank)
-        paused = [lk for lk in self.agent.channel.links.values() if lk.state == "paused" and lk.connected and not lk.joining]
+        paused = [lk for lk in self.agent.channel.links.values() if lk.state == WorkerState.PAUSED and lk.connected and not lk.joining]
         if paused:
             cur = self.agent.gen
             await self._all(paused, lambda _: ac.message(ac.RESUME, gen=cur),

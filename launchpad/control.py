@@ -16,6 +16,7 @@ from launchpad.telemetry.sampler import Sampler
 from torchpass_common import broker_check, job_credentials, log, mqtt, protocol, rank_ranges
 from torchpass_common.errors import TorchPassError
 from torchpass_common.tasks import cancel_all
+from torchpass_common.worker_state import WorkerState
 
 if TYPE_CHECKING:
     from launchpad.agent import Agent
@@ -85,13 +86,13 @@ class ControlPlane:
         # a node all of whose ranks moved away (the batch host, which stays in the job) runs none
         for w in (group.workers.values() if group and not group.emptied() else ()):
             lk = links.get(w.pid)
-            state = "exited" if w.returncode is not None else (lk.state if lk else "starting")
+            state = WorkerState.EXITED if w.returncode is not None else (lk.state if lk else WorkerState.STARTING)
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
                             **({"exit_code": w.returncode} if w.returncode is not None else {}),
                             **({"replicas": rank_ranges.compact(lk.replicas)} if lk and lk.replicas is not None else {}),
                             **({"registered": lk.interruption["registered"], "error": lk.interruption["error"]}
-                               if lk and lk.interruption and state == "interrupted" else {})})
+                               if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part()}
 
     async def _heartbeats(self) -> None:

@@ -30,6 +30,7 @@ from slurm_plugin.watcher import Watcher
 from torchpass_common import broker_check, log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
+from torchpass_common.worker_state import WorkerState
 from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
@@ -183,7 +184,7 @@ class Orchestrator:
         if lp is None or not lp.online or not lp.workers:
             return f"waiting for the launchpad on {node} to report its ranks", False
         starting = sorted(n for n, other in view.launchpads.items()
-                          if other.online and any(w.get("state") == "starting" for w in other.workers))
+                          if other.online and any(w.get("state") == WorkerState.STARTING for w in other.workers))
         if starting:  # a worker not yet on its agent channel cannot be paused
             return f"waiting for the workers on {', '.join(starting)} to start", False
         if self.watcher.last is None:

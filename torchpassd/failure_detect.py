@@ -14,10 +14,10 @@ from typing import Any
 from slurm_plugin import events as ev
 from torchpass_common import log, protocol
 from torchpass_common.timeouts import Timeouts
+from torchpass_common.worker_state import ENDED, WorkerState
 
 QUIET_HEARTBEATS = 2  # heartbeats missed that, with other evidence, corroborate a death
-INTERRUPTED = "interrupted"
-ENDED_STATES = ("exited",)
+INTERRUPTED = WorkerState.INTERRUPTED
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class _Node:
     def ran_workers(self) -> bool:
         """It ran member ranks that had not ended (a node whose workers all exited just finished;
         a joiner not yet admitted is a migration's business, not the job's)."""
-        return any(w.get("state") not in ENDED_STATES and not w.get("joining") for w in self.workers)
+        return any(w.get("state") not in ENDED and not w.get("joining") for w in self.workers)
 
     @property
     def interrupted(self) -> bool:
@@ -207,7 +207,7 @@ class FailureDetector:
         judge it again from the evidence there is now (its Last Will, parked peers, Slurm)."""
         n = self._node(job, node)
         if not n.ran_workers:
-            n.workers = [{"rank": r, "state": "running"} for r in ranks]
+            n.workers = [{"rank": r, "state": WorkerState.RUNNING} for r in ranks]
         n.decided = False
         self.check()
 
