@@ -12,6 +12,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from launchpad.commands import Commands
+from launchpad.telemetry.links import LinkWatch
 from launchpad.telemetry.sampler import Sampler
 from torchpass_common import broker_check, job_credentials, log, mqtt, protocol, rank_ranges
 from torchpass_common.errors import TorchPassError
@@ -38,6 +39,7 @@ class ControlPlane:
         self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
+        self.links = LinkWatch()  # network links, sent with heartbeats too
         self.commands.handlers["health_replay"] = self._health_replay
 
     def _client(self, credentials: tuple[str, str] | None) -> mqtt.ControlClient:
@@ -93,7 +95,8 @@ class ControlPlane:
                             **({"replicas": rank_ranges.compact(lk.replicas)} if lk and lk.replicas is not None else {}),
                             **({"registered": lk.interruption["registered"], "error": lk.interruption["error"]}
                                if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
-        return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part()}
+        return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part(),
+                **self.links.heartbeat_part()}
 
     async def _heartbeats(self) -> None:
         interval = self.agent.timeouts.heartbeat_interval

@@ -27,6 +27,7 @@ class Launchpad:
     workers: list[dict[str, Any]] = field(default_factory=list)
     last_heartbeat: float | None = None  # time.monotonic()
     pid: int = 0  # the launchpad process on its node (from its state messages)
+    links: dict[str, Any] = field(default_factory=dict)  # its network links, as last reported
     # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
     _prev: tuple[float, int] | None = None
     steps_per_s: float = 0.0
@@ -83,7 +84,7 @@ class JobView:
                 "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
                                    "heartbeat_age": None if lp.last_heartbeat is None
                                    else round(lp.heartbeat_age(now) or 0.0, 3),
-                                   "steps_per_s": round(lp.steps_per_s, 2)}
+                                   "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links}
                                for n, lp in sorted(self.launchpads.items())}}
 
 
@@ -134,6 +135,8 @@ class Registry:
                 lp.workers = []
         elif msg.kind == protocol.HEARTBEAT:
             lp.online, lp.gen, lp.workers, lp.last_heartbeat = True, msg.gen, list(msg.body["workers"]), now
+            if isinstance(msg.body.get("links"), dict):
+                lp.links = msg.body["links"]
             view = self.job(msg.job)
             for w in lp.workers:
                 if "replicas" in w:
