@@ -1,69 +1,95 @@
 """This node's network links as launchpad reports them with its heartbeat: for each network
-interface (loopback aside) its carrier, operational state and error and drop counters, and for each
-InfiniBand port its state and physical state, all read from sysfs (the same read on every Linux
-machine; tests point it at a directory tree to stage a link going down). A reading goes out when it
-changed, and every REFRESH_BEATS heartbeats otherwise. It only reports: what a link going down
-means for the job is torchpassd's to decide."""
+interface (loopback aside) whether it has carrier, its operational state and its error and drop
+counters, and for each InfiniBand port its state and physical state. Interfaces are read through
+netlink (``ip -j -s link``), which shows the launchpad's own network namespace (sysfs shows the
+host's unless remounted: a container's or the dev cluster's nodes' view would be wrong);
+InfiniBand ports from sysfs (not namespaced). Read at most every READ_EVERY_S, sent when it
+changed and every REFRESH_BEATS heartbeats anyway. It only reports: what a link going down means
+for the job is torchpassd's to decide."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-NET = Path("/sys/class/net")
 INFINIBAND = Path("/sys/class/infiniband")
-COUNTERS = ("rx_errors", "tx_errors", "rx_dropped", "tx_dropped")
 MAX_LINKS = 64  # a node with more interfaces (containers' veths) reports the first ones by name
+READ_EVERY_S = 5.0
 REFRESH_BEATS = 30
+IP_TIMEOUT_S = 2.0
 
 
-def _text(path: Path) -> str | None:
+def ip_links() -> str:
+    """``ip -j -s link show`` of this process's network namespace (JSON text; "[]" if ip fails)."""
     try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):  # e.g. carrier of an interface that is down: EINVAL
+        return subprocess.run(["ip", "-j", "-s", "link", "show"], capture_output=True, text=True,
+                              timeout=IP_TIMEOUT_S, check=True).stdout or "[]"
+    except (OSError, subprocess.SubprocessError):
+        return "[]"
+
+
+def interfaces(ip_json: str) -> dict[str, dict[str, Any]]:
+    """``{name: {carrier, operstate, rx_errors, tx_errors, rx_dropped, tx_dropped}}`` from ``ip -j -s
+    link`` output; anything it cannot read is left out."""
+    try:
+        entries = json.loads(ip_json)
+    except ValueError:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for e in entries if isinstance(entries, list) else []:
+        name = e.get("ifname") if isinstance(e, dict) else None
+        if not isinstance(name, str) or name == "lo" or len(out) >= MAX_LINKS:
+            continue
+        stats = e.get("stats64") if isinstance(e.get("stats64"), dict) else {}
+        rx, tx = (stats.get(d) if isinstance(stats.get(d), dict) else {} for d in ("rx", "tx"))
+        out[name] = {"carrier": "LOWER_UP" in (e.get("flags") or []), "operstate": e.get("operstate"),
+                     "rx_errors": rx.get("errors"), "tx_errors": tx.get("errors"),
+                     "rx_dropped": rx.get("dropped"), "tx_dropped": tx.get("dropped")}
+    return out
+
+
+def _word(path: Path) -> str | None:
+    """"4: ACTIVE" -> "ACTIVE"; None when unreadable."""
+    try:
+        return path.read_text().split(":")[-1].strip()
+    except (OSError, UnicodeDecodeError):
         return None
 
 
-def _number(path: Path) -> int | None:
-    text = _text(path)
-    return int(text) if text is not None and text.isdigit() else None
-
-
-def read(net: Path = NET, infiniband: Path = INFINIBAND) -> dict[str, dict[str, Any]]:
-    """``{name: {...}}`` for every interface and InfiniBand port (``mlx5_0/1``) this node shows."""
-    links: dict[str, dict[str, Any]] = {}
-    names = sorted(p.name for p in net.iterdir() if p.name != "lo") if net.is_dir() else []
-    for name in names[:MAX_LINKS]:
-        d = net / name
-        carrier = _number(d / "carrier")
-        links[name] = {"carrier": None if carrier is None else carrier == 1, "operstate": _text(d / "operstate"),
-                       **{c: _number(d / "statistics" / c) for c in COUNTERS}}
-    hcas = sorted(infiniband.iterdir()) if infiniband.is_dir() else []
-    for hca in hcas:
-        ports = sorted((hca / "ports").iterdir()) if (hca / "ports").is_dir() else []
-        for port in ports[:MAX_LINKS - len(links)]:
-            # "4: ACTIVE", "5: LinkUp": keep the words
-            state, phys = (_text(port / f) for f in ("state", "phys_state"))
-            links[f"{hca.name}/{port.name}"] = {"state": state.split(":")[-1].strip() if state else None,
-                                                "phys_state": phys.split(":")[-1].strip() if phys else None}
-    return links
+def ib_ports(root: Path = INFINIBAND) -> dict[str, dict[str, Any]]:
+    """``{"mlx5_0/1": {state, phys_state}}`` for every InfiniBand port this node has."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        ports = sorted(p for hca in root.iterdir() for p in (hca / "ports").iterdir())
+    except OSError:  # no InfiniBand here
+        return out
+    for port in ports[:MAX_LINKS]:
+        out[f"{port.parent.parent.name}/{port.name}"] = {"state": _word(port / "state"),
+                                                         "phys_state": _word(port / "phys_state")}
+    return out
 
 
 class LinkWatch:
-    """The links part of each heartbeat (``{}`` when nothing changed since the last one sent)."""
+    """The links part of each heartbeat (``{}`` when nothing changed since the last one sent).
+    ``read_ip`` and ``infiniband`` are where the links are read from (tests stage them)."""
 
-    def __init__(self, net: Path = NET, infiniband: Path = INFINIBAND) -> None:
-        self.net, self.infiniband = net, infiniband
-        self._last: dict[str, dict[str, Any]] | None = None
+    def __init__(self, read_ip: Callable[[], str] = ip_links, infiniband: Path = INFINIBAND,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read_ip, self.infiniband, self.clock = read_ip, infiniband, clock
+        self._now: dict[str, dict[str, Any]] = {}
+        self._read_at = -READ_EVERY_S
+        self._sent: dict[str, dict[str, Any]] | None = None
         self._beats = 0
 
     def heartbeat_part(self) -> dict[str, Any]:
-        try:
-            now = read(self.net, self.infiniband)
-        except OSError:  # sysfs unreadable: the heartbeat goes out without links
-            return {}
+        if self.clock() - self._read_at >= READ_EVERY_S:
+            self._now, self._read_at = {**interfaces(self.read_ip()), **ib_ports(self.infiniband)}, self.clock()
         self._beats += 1
-        if now == self._last and self._beats < REFRESH_BEATS:
+        if self._now == self._sent and self._beats < REFRESH_BEATS:
             return {}
-        self._last, self._beats = now, 0
-        return {"links": now}
+        self._sent, self._beats = self._now, 0
+        return {"links": self._now}

@@ -1,10 +1,12 @@
-"""launchpad's link telemetry: each interface's carrier, state and error counters and each
-InfiniBand port's state, read from sysfs (this machine's own, and a staged tree where a link goes
-down), sent with the heartbeat when they change (and now and then anyway), and kept by torchpassd."""
+"""launchpad's link telemetry: each interface's carrier, state and error counters (read through
+netlink, so a network namespace sees its own links) and each InfiniBand port's state, sent with the
+heartbeat when they change (and now and then anyway), and kept by torchpassd."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 from pathlib import Path
 
 from launchpad.telemetry import links
@@ -13,57 +15,57 @@ from torchpass_common import protocol
 from torchpassd.registry import Registry
 
 
-def stage(root: Path, name: str, *, carrier: str | None, operstate: str, rx_errors: int = 0) -> None:
-    d = root / "net" / name
-    (d / "statistics").mkdir(parents=True, exist_ok=True)
-    if carrier is None:
-        (d / "carrier").unlink(missing_ok=True)  # what reading it gives on a down link: an error
-    else:
-        (d / "carrier").write_text(carrier + "\n")
-    (d / "operstate").write_text(operstate + "\n")
-    for counter in links.COUNTERS:
-        (d / "statistics" / counter).write_text(f"{rx_errors if counter == 'rx_errors' else 0}\n")
+def ip_entry(name: str, *, up: bool, rx_errors: int = 0) -> dict:
+    """One interface as ``ip -j -s link`` prints it."""
+    return {"ifname": name, "flags": ["BROADCAST", "UP", *(["LOWER_UP"] if up else [])],
+            "operstate": "UP" if up else "LOWERLAYERDOWN",
+            "stats64": {"rx": {"bytes": 10, "errors": rx_errors, "dropped": 0}, "tx": {"bytes": 9, "errors": 0, "dropped": 1}}}
 
 
-def test_this_machines_interfaces_are_read() -> None:
-    seen = links.read()
-    assert "lo" not in seen
-    names = [p.name for p in links.NET.iterdir() if p.name != "lo"]
-    assert set(seen) == set(names[:links.MAX_LINKS]) and seen
-    up = [v for v in seen.values() if v["operstate"] == "up"]
-    assert all(v["carrier"] is True and isinstance(v["rx_errors"], int) for v in up)
+def test_this_machines_interfaces_are_read_through_netlink() -> None:
+    seen = links.interfaces(links.ip_links())
+    names = [e["ifname"] for e in json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True,
+                                                             check=True).stdout)]
+    assert "lo" not in seen and set(seen) == {n for n in names if n != "lo"}
+    assert all(isinstance(v["rx_errors"], int) and v["operstate"] for v in seen.values())
+    assert any(v["carrier"] for v in seen.values())
 
 
-def test_a_link_going_down_is_reported_at_the_next_heartbeat(tmp_path: Path) -> None:
-    stage(tmp_path, "ib0", carrier="1", operstate="up")
-    stage(tmp_path, "eth1", carrier="1", operstate="up")
-    hca = tmp_path / "infiniband" / "mlx5_0" / "ports" / "1"
-    hca.mkdir(parents=True)
-    (hca / "state").write_text("4: ACTIVE\n")
-    (hca / "phys_state").write_text("5: LinkUp\n")
-    watch = LinkWatch(tmp_path / "net", tmp_path / "infiniband")
+def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
+    table = [ip_entry("lo", up=True), ip_entry("ib0", up=True), ip_entry("eth1", up=True)]
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "phys_state").write_text("5: LinkUp\n")
+    clock = [0.0]
+    watch = LinkWatch(lambda: json.dumps(table), tmp_path, clock=lambda: clock[0])
     first = watch.heartbeat_part()["links"]
-    assert first["mlx5_0/1"] == {"state": "ACTIVE", "phys_state": "LinkUp"}
-    assert first["ib0"] == {"carrier": True, "operstate": "up", "rx_errors": 0, "tx_errors": 0, "rx_dropped": 0,
-                            "tx_dropped": 0}
+    assert first["mlx5_0/1"] == {"state": "ACTIVE", "phys_state": "LinkUp"} and "lo" not in first
+    assert first["ib0"] == {"carrier": True, "operstate": "UP", "rx_errors": 0, "tx_errors": 0, "rx_dropped": 0,
+                            "tx_dropped": 1}
     assert watch.heartbeat_part() == {}  # nothing changed
-    stage(tmp_path, "ib0", carrier=None, operstate="down", rx_errors=17)
-    (hca / "state").write_text("1: DOWN\n")
+    table[1] = ip_entry("ib0", up=False, rx_errors=17)
+    (port / "state").write_text("1: DOWN\n")
+    clock[0] = 1.0
+    assert watch.heartbeat_part() == {}  # read again only every READ_EVERY_S
+    clock[0] = links.READ_EVERY_S
     now = watch.heartbeat_part()["links"]
-    assert now["ib0"]["carrier"] is None and now["ib0"]["operstate"] == "down" and now["ib0"]["rx_errors"] == 17
+    assert now["ib0"]["carrier"] is False and now["ib0"]["operstate"] == "LOWERLAYERDOWN" and now["ib0"]["rx_errors"] == 17
     assert now["mlx5_0/1"]["state"] == "DOWN" and now["eth1"] == first["eth1"]
     for _ in range(links.REFRESH_BEATS - 1):
         assert watch.heartbeat_part() == {}
     assert watch.heartbeat_part()["links"] == now  # sent again now and then: a restarted torchpassd learns it
 
 
-def test_no_sysfs_means_no_links_not_a_broken_heartbeat(tmp_path: Path) -> None:
-    assert LinkWatch(tmp_path / "none", tmp_path / "none").heartbeat_part() == {"links": {}}
+def test_unreadable_links_give_an_empty_report_not_a_broken_heartbeat(tmp_path: Path) -> None:
+    for garbage in ("not json", "{}", '[{"ifname": 3}, 5, {"ifname": "x", "stats64": "?"}]'):
+        got = LinkWatch(lambda g=garbage: g, tmp_path / "none").heartbeat_part()["links"]
+        assert set(got) <= {"x"} and all(v["rx_errors"] is None for v in got.values())
 
 
 def test_torchpassd_keeps_the_last_links_a_launchpad_reported() -> None:
     registry = Registry()
-    body = {"node": "n2", "seq": 1, "workers": [], "links": {"ib0": {"carrier": False, "operstate": "down"}}}
+    body = {"node": "n2", "seq": 1, "workers": [], "links": {"ib0": {"carrier": False, "operstate": "DOWN"}}}
 
     async def feed() -> None:
         for b in (body, {**{k: v for k, v in body.items() if k != "links"}, "seq": 2}):
