@@ -10,6 +10,7 @@ for the job is torchpassd's to decide."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,9 +25,11 @@ IP_TIMEOUT_S = 2.0
 
 
 def ip_links() -> str:
-    """``ip -j -s link show`` of this process's network namespace (JSON text; "[]" if ip fails)."""
+    """``ip -j -s link show`` of this process's network namespace (JSON text; "[]" if ip fails).
+    ip lives in /usr/sbin, which a job's PATH often lacks."""
+    ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin") or "ip"
     try:
-        return subprocess.run(["ip", "-j", "-s", "link", "show"], capture_output=True, text=True,
+        return subprocess.run([ip, "-j", "-s", "link", "show"], capture_output=True, text=True,
                               timeout=IP_TIMEOUT_S, check=True).stdout or "[]"
     except (OSError, subprocess.SubprocessError):
         return "[]"
