@@ -1,7 +1,7 @@
 """When a drain may become a migration: not before the leaving node's launchpad reports its
 ranks, nor while any worker of the job has yet to reach its agent channel (a young job: a worker
-still importing torch cannot be paused, and the pause would roll back); never off the batch host,
-which Slurm cannot take out of a running job (the user is told, once, that the job runs on there)."""
+still importing torch cannot be paused, and the pause would roll back). The batch host's ranks move
+like any node's; once they have (Slurm keeps the host in the job), nothing more is moved off it."""
 
 from __future__ import annotations
 
@@ -32,11 +32,15 @@ def test_a_drain_waits_until_every_worker_of_the_job_is_on_its_channel(tmp_path:
     asyncio.run(main())
 
 
-def test_a_drained_batch_host_is_refused_lastingly_with_what_it_means_for_the_job(tmp_path: Path) -> None:
+def test_a_drained_batch_host_may_move_like_any_node_and_once_emptied_is_left_alone(tmp_path: Path) -> None:
+    """The batch host's ranks move like any node's (Slurm keeps the host in the job); once they
+    have, a new drain or health request for it moves nothing and waits for nothing."""
     async def main() -> None:
         orch, journal, _ = await orchestrator(tmp_path)
-        why, lasting = orch._blocked(JOB, "n1")
-        assert lasting and why.startswith("n1 is the batch host of job 7: Slurm cannot take it out of a running job")
-        assert "unprotected against n1's failure" in why
+        assert orch._blocked(JOB, "n1") == orch._blocked(JOB, "n3")
+        assert "batch host" not in orch._blocked(JOB, "n1")[0]
+        orch.d.registry.job(JOB).emptied.add("n1")  # what the migration off it records
+        orch.request(JOB, "n1", "node n1 drained: maintenance")
+        assert (JOB, "n1") not in orch.pending
         journal.close()
     asyncio.run(main())
