@@ -46,6 +46,10 @@ def test_job_trains_and_migrates_with_its_own_broker_account(torchpassd: Daemon,
                           if ln.startswith("{")) if e.get("event") == "credentials.issued" and e.get("job") == job.job]
     assert sorted(e["node"] for e in issued) == ["n1", "n2", "n3", "n4"], issued
     assert _retained_states(tp_config, job.job) == {"n1", "n2", "n3", "n4"}  # online, for a restarted torchpassd
+    links = wait_until("the launchpads' link reports", lambda: [lp.get("links") for lp in
+                                                                   torchpassd.job(job.job)["launchpads"].values()
+                                                                   if lp.get("links")] or None, 30)
+    assert all(set(lk) == {"eth0"} and lk["eth0"]["carrier"] is True for lk in links), links  # each node's own link
     devcluster.drain("n3", "planned maintenance")
     mig = torchpassd.wait_migration(job.job, "n3")
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig  # the joiner got an account too
