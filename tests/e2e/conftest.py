@@ -150,6 +150,18 @@ class Daemon:
             return ms[0] if ms and ms[0]["status"] in statuses else None
         return wait_until(f"a migration of job {job} off {source}", found, timeout, every=0.1)
 
+    def wait_moved(self, job: str, source: str, timeout: float = 240) -> dict[str, Any]:
+        """The transparent migration that moved ``source``'s workers: the first one off it that
+        succeeded. An earlier try may only have been rolled back by a failed criu dump (criu can
+        fail to seize a thread that is just ending): the workers then went on where they were, and
+        torchpassd tried again. Any other end of a try fails the wait at once."""
+        def found() -> dict[str, Any] | None:
+            tries = [m for m in self.migrations(job) if m["source"] == source]
+            ended = [m for m in tries if m["status"] not in ("running", "succeeded")]
+            assert all(m["status"] == "rolled_back" and "criu dump failed" in (m["error"] or "") for m in ended), ended
+            return next((m for m in tries if m["status"] == "succeeded"), None)
+        return wait_until(f"a migration of job {job} to move {source}'s workers", found, timeout, every=0.1)
+
     def wait_phase(self, job: str, phases: tuple[str, ...], timeout: float = 240) -> dict[str, Any]:
         """The job's running migration once it has entered one of ``phases``."""
         def found() -> dict[str, Any] | None:
