@@ -18,10 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from launchpad import transparent
 from launchpad.channel import ChannelServer
 from launchpad.group import Outcome, WorkerGroup
 from launchpad.rendezvous import Rendezvous
 from launchpad.spec import LaunchSpec
+from launchpad.watchdog import Watchdog
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.config import Config
@@ -42,6 +44,7 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.rdzv: Rendezvous | None = None
         self.lost_nodes = 0  # nodes of this rendezvous that died and were recovered from (unplanned)
+        self.beat_now: Callable[[], None] = lambda: None  # the control plane's: a heartbeat now
         # workers take the collective timeout (and how long to park) from launchpad's config
         os.environ[ac.ENV_TIMEOUTS] = json.dumps(dataclasses.asdict(self.timeouts))
         self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
@@ -93,10 +96,16 @@ class Agent:
         while True:
             m = await self._store(self.rdzv.join, rnd)
             self.world_size = m.world_size
-            self.group = WorkerGroup(spec, m, restarts, self.channel.path)
+            self.group = WorkerGroup(spec, m, restarts, self.channel.path, hold_s=self._crash_hold_s(),
+                                     on_held=lambda: self.beat_now())
             await self.group.start()
-            outcome = await self.group.supervise(self._stop, lambda: self._signal,
-                                                 self._remote_failure(rnd, m.nnodes), spec.monitor_interval)
+            watchdog = asyncio.create_task(Watchdog(self.channel, self.group).run()) if self.group.hold_s else None
+            try:
+                outcome = await self.group.supervise(self._stop, lambda: self._signal,
+                                                     self._remote_failure(rnd, m.nnodes), spec.monitor_interval)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             if outcome.ok:
                 # a store host whose ranks all moved away (the job's batch host, which Slurm keeps in
                 # the job) keeps the store for as long as the other nodes train
@@ -119,6 +128,12 @@ class Agent:
                 return self._final(outcome)
             restarts, rnd = restarts + 1, rnd + 1
             self._log.warning("agent.restart", restarts=restarts, max_restarts=spec.max_restarts)
+
+    def _crash_hold_s(self) -> float:
+        """How long a worker killed by a signal is held for torchpassd to rebuild it in place: under a
+        model-aware TorchPass job, the orchestrator's decision time; otherwise 0 (torchrun's rule:
+        the round fails at once). Transparent jobs register no state to rebuild a rank from."""
+        return self.timeouts.decision if self.spec.job and not transparent.movable() else 0.0
 
     def _remote_failure(self, rnd: int, nnodes: int) -> Callable[[], Awaitable[str | None]]:
         """A coroutine function the supervisor calls each tick: another node's failure report."""

@@ -17,6 +17,8 @@ from torchpass_common import log, worker_state
 from torchpass_common.errors import ProtocolError, WorkerError
 from torchpass_common.worker_state import WorkerState
 
+STEP_AVERAGING = 0.2  # weight of the newest step time in WorkerLink.step_s
+
 
 @dataclass
 class WorkerLink:
@@ -32,7 +34,10 @@ class WorkerLink:
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
+    step_s: float | None = None  # its typical step time (a moving average over the step reports)
+    pong_at: float = field(default_factory=time.monotonic)  # its last answer to the watchdog's ping
     interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
+    interrupted_at: float | None = None  # wall time of that report (torchpassd times its active abort by it)
     recovering: bool = False  # from INTERRUPTED until RESUMED (unplanned recovery)
     registered: bool = False  # the script called torchpass.register(save, load)
     replicas: list[int] | None = None  # ranks holding the same state (torchpass/layout.py); None: unknown
@@ -85,16 +90,24 @@ class ChannelServer:
     def _on_message(self, link: WorkerLink, msg: dict[str, Any]) -> None:
         kind = msg["t"]
         if kind == ac.STEP:
-            link.step, link.step_at = msg["step"], time.monotonic()
+            now = time.monotonic()
+            if msg["step"] > link.step:
+                took = (now - link.step_at) / (msg["step"] - link.step)
+                link.step_s = took if link.step_s is None else STEP_AVERAGING * took + (1 - STEP_AVERAGING) * link.step_s
+            link.step, link.step_at = msg["step"], now
             link.registered = bool(msg.get("registered", link.registered))
             if "replicas" in msg:
                 link.replicas = msg["replicas"]
+            return
+        if kind == ac.PONG:
+            link.pong_at = time.monotonic()
             return
         if "step" in msg:
             link.step = msg["step"]
         link.state = worker_state.after(link.state, kind)
         if kind == ac.INTERRUPTED:
             link.interruption, link.recovering = {k: msg[k] for k in ("gen", "registered", "error")}, True
+            link.interrupted_at = time.time()
             self._log.warning("channel.worker_interrupted", rank=link.rank, pid=link.pid, **link.interruption)
             if self.on_interrupted is not None:
                 self.on_interrupted(link)

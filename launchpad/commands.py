@@ -1,6 +1,6 @@
 """What each orchestrator command does on this node: pause all workers after a step, have one
 save its state, re-form the communicator as a new generation, resume, start a joining worker,
-abort a migration, exit. Each handler returns the ack's result or raises a TorchPassError
+abort a migration, exit (and, through stall_watch.py, cut the collectives of stalled workers). Each handler returns the ack's result or raises a TorchPassError
 (the ack's error). Transport, idempotency and acks live in control.py."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from launchpad.channel import WorkerLink
+from launchpad.stall_watch import StallWatch
 from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
@@ -82,6 +83,7 @@ class Commands:
             "pause": self.pause, "save": self.save, "reform": self.reform, "resume": self.resume,
             "start_joiner": self.start_joiner, "abort": self.abort, "exit": self.exit,
             "recover": self.recover, "notice": self.notice,
+            "sever": StallWatch(agent.channel, agent.node).sever,
         }
         self.handlers.update(Transparent(agent).handlers)  # criu moves (--torchpass=transparent)
 
@@ -266,6 +268,7 @@ class Commands:
         stopped = []
         for pid in self.joiners.pop(migration, []):
             if group is not None and (w := group.workers.get(pid)) is not None:
+                group.told_to_exit.add(pid)  # stopped on purpose: not a crash to hold
                 await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
                 stopped.append(w.rank)
         paused = [lk for lk in self.agent.channel.links.values() if lk.state == WorkerState.PAUSED and lk.connected and not lk.joining]

@@ -36,6 +36,7 @@ class ControlPlane:
         self._log = log.get(job=self.job, node=self.node)
         self._beat_now = asyncio.Event()
         agent.channel.on_interrupted = lambda _link: self._beat_now.set()
+        agent.beat_now = self._beat_now.set
         self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
@@ -88,12 +89,15 @@ class ControlPlane:
         # a node all of whose ranks moved away (the batch host, which stays in the job) runs none
         for w in (group.workers.values() if group and not group.emptied() else ()):
             lk = links.get(w.pid)
-            state = WorkerState.EXITED if w.returncode is not None else (lk.state if lk else WorkerState.STARTING)
+            state = (WorkerState.CRASHED if w.pid in group.held else WorkerState.EXITED if w.returncode is not None
+                     else lk.state if lk else WorkerState.STARTING)
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
                             **({"exit_code": w.returncode} if w.returncode is not None else {}),
+                            **({"frozen_s": round(group.frozen[w.pid], 1)} if w.pid in group.frozen else {}),
                             **({"replicas": rank_ranges.compact(lk.replicas)} if lk and lk.replicas is not None else {}),
-                            **({"registered": lk.interruption["registered"], "error": lk.interruption["error"]}
+                            **({"registered": lk.interruption["registered"], "error": lk.interruption["error"],
+                                "interrupted_at": lk.interrupted_at}
                                if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part(),
                 **self.links.heartbeat_part()}

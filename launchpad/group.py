@@ -1,6 +1,10 @@
 """The workers of this node for one rendezvous round: starting them, adding a joining worker,
 watching them until all succeeded or the first one failed (torchrun's rule: one failure stops
-the others), and stopping them with SIGTERM then SIGKILL after the grace period."""
+the others), and stopping them with SIGTERM then SIGKILL after the grace period. Under a
+model-aware TorchPass job a worker killed by a signal (SIGKILL of an OOM kill, SIGSEGV, SIGABRT)
+is held instead: the others keep running while torchpassd rebuilds its rank in place (a joiner
+added here); held past ``hold_s`` it fails the round as before. A worker that exits with a code
+(the script raised) always fails the round: restarting a bug would repeat it."""
 
 from __future__ import annotations
 
@@ -66,12 +70,17 @@ def join_plan(nproc: int) -> dict[str, Any] | None:
 class WorkerGroup:
     """This node's workers in round ``m.round``; ``workers`` maps pid to Worker."""
 
-    def __init__(self, spec: LaunchSpec, m: Membership, restarts: int, socket_path: str) -> None:
+    def __init__(self, spec: LaunchSpec, m: Membership, restarts: int, socket_path: str, *,
+                 hold_s: float = 0.0, on_held: Callable[[], None] = lambda: None) -> None:
         self.spec, self.m, self.restarts, self.socket_path = spec, m, restarts, socket_path
         self.router = OutputRouter(spec, attempt=restarts)
         self.workers: dict[int, workers.Worker] = {}
         self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
         self.told_to_exit: set[int] = set()  # pids the abort/exit commands asked to exit
+        self.hold_s = hold_s  # > 0: hold a worker killed by a signal that long for an in-place recovery
+        self.held: dict[int, float] = {}  # pid of a held crashed worker -> when it crashed (loop time)
+        self.on_held = on_held  # e.g. an immediate heartbeat, so torchpassd hears of the crash at once
+        self.frozen: dict[int, float] = {}  # pid -> seconds it was frozen when the watchdog killed it
         self.hold = transparent.restore_target()
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
@@ -93,8 +102,14 @@ class WorkerGroup:
             await self._add(rank, local_rank, env)
 
     async def add_joiner(self, rank: int, world_size: int, source: dict[str, Any]) -> workers.Worker:
-        """Start a worker that joins the running job as ``rank``, loading its state from ``source``."""
-        local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
+        """Start a worker that joins the running job as ``rank``, loading its state from ``source``;
+        it takes the place (and the local rank) of a held crashed worker of that rank, if any."""
+        crashed = next((w for pid, w in self.workers.items() if pid in self.held and w.rank == rank), None)
+        if crashed is not None:  # replaced: no longer one of this node's workers
+            del self.held[crashed.pid], self.workers[crashed.pid]
+            local_rank = crashed.local_rank
+        else:
+            local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
             agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source)})
@@ -138,11 +153,34 @@ class WorkerGroup:
                 running |= {pid for pid, w in self.workers.items() if w.returncode is None}  # joiners
                 if stop_task in done:
                     return Outcome(ok=False, signal=stop_signal())
+                if (expired := self._hold_expired()) is not None:
+                    return expired
                 if (remote := await remote_failure()) is not None:
                     return await self._told_exit_outcome(running) or Outcome(ok=False, remote=remote)
-            return Outcome(ok=True)
+            return self._hold_expired(at_end=True) or Outcome(ok=True)
         finally:
             stop_task.cancel()
+
+    async def kill_frozen(self, pid: int, quiet_s: float) -> None:
+        """The watchdog found worker ``pid`` frozen for ``quiet_s`` s: SIGKILL it (a stopped process
+        too), so that it is held as a crash and rebuilt in place like any other."""
+        w = self.workers.get(pid)
+        if w is None or w.returncode is not None:
+            return
+        self.frozen[pid] = quiet_s
+        w.signal(signal.SIGKILL)
+
+    def _hold_expired(self, *, at_end: bool = False) -> Outcome | None:
+        """The round's failure when a held crashed worker was not rebuilt within hold_s (or the
+        others all ended while it was held): then it fails as torchrun would have at the crash."""
+        now = asyncio.get_running_loop().time()
+        for pid, since in self.held.items():
+            if at_end or now - since > self.hold_s:
+                w = self.workers[pid]
+                self._log.error("worker.hold_expired", rank=w.rank, pid=pid, code=w.returncode,
+                                held_s=round(now - since, 1))
+                return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
+        return None
 
     async def _told_exit_outcome(self, running: set[int]) -> Outcome | None:
         """Workers here that were told to exit (an orchestrator's abort or exit) get the grace
@@ -166,6 +204,12 @@ class WorkerGroup:
         running.discard(w.pid)
         self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
         if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here
+            if self.hold_s > 0 and (w.returncode or 0) < 0 and w.pid not in self.told_to_exit:
+                self.held[w.pid] = asyncio.get_running_loop().time()
+                self._log.warning("worker.crash_held", rank=w.rank, pid=w.pid, code=w.returncode,
+                                  hold_s=self.hold_s, why="killed by a signal: torchpassd may rebuild it here")
+                self.on_held()
+                return None
             return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
         return None
 

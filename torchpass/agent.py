@@ -72,10 +72,28 @@ class Agent:
             except (OSError, TorchPassError) as e:
                 self._log.error("agent.read_failed", error=str(e))
                 msg = None
+            if msg is not None and msg["t"] == ac.SEVER:
+                self._sever(str(msg.get("reason") or "a peer of this job was lost"))
+                continue
+            if msg is not None and msg["t"] == ac.PING:
+                self._send(ac.message(ac.PONG))
+                continue
             self._commands.put(msg if msg is not None else _GONE)
             self._wake = True
             if msg is None:
                 return
+
+    def _sever(self, reason: str) -> None:
+        """On the reader thread: cut the running generation's collectives (group.sever), so a
+        training thread waiting in one with a lost peer raises now and is interrupted; one that is
+        between collectives raises at its next. Nothing to cut while recovering or before the group
+        is formed."""
+        group = default_group.group()
+        if group is None or group.local or self.recovering:
+            self._log.info("agent.sever_ignored", reason=reason, recovering=self.recovering)
+            return
+        cut = group.sever(reason)
+        self._log.warning("agent.severed", gen=group.gen, step=steps.current(), connections=cut, reason=reason)
 
     # -- running ---------------------------------------------------------------------------
     def _send(self, msg: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from torchpass import steps
+from torchpass import severing, steps
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
@@ -135,12 +135,22 @@ class TorchPassGroup(dist.ProcessGroup):
         self._watched: collections.deque[Any] = collections.deque(maxlen=MAX_WATCHED)
         self._watched_step = -1
         self._inner: dist.ProcessGroup | None = None
+        self._sockets: set[str] = set()  # the inner group's connections, for sever()
         self._replies: collections.deque[torch.Tensor] = collections.deque()
         if not local:
             if store is None:
                 raise WorkerError("a non-local TorchPass group needs a store", rank=rank)
-            self._inner = build_inner(backend, store, rank, world_size, timeout, self._inner_name(1), options)
+            self._inner = self._build(store, 1)
             self.gen = 1
+
+    def _build(self, store: dist.Store, gen: int) -> dist.ProcessGroup:
+        """The inner group of generation ``gen``, noting the sockets it opened (gloo connects to
+        every member while it is built; groups are built one at a time, on the training thread)."""
+        before = severing.socket_inodes()
+        inner = build_inner(self.backend, store, self.rank(), self.size(), self.timeout, self._inner_name(gen),
+                            self.options)
+        self._sockets = severing.socket_inodes() - before
+        return inner
 
     def _inner_name(self, gen: int) -> str:
         return f"torchpass_gen{gen}" if not self._name else f"torchpass_{self._name}_gen{gen}"
@@ -264,8 +274,7 @@ class TorchPassGroup(dist.ProcessGroup):
                                          subgroups=[sub._name for sub in live])
 
     def _rebuild(self, gen: int, store: dist.Store) -> None:
-        new = build_inner(self.backend, store, self.rank(), self.size(), self.timeout, self._inner_name(gen),
-                          self.options)
+        new = self._build(store, gen)
         old, self._inner, self.gen, self._store = self._inner, new, gen, store
         self._forget_works()
         if old is not None:
@@ -291,11 +300,22 @@ class TorchPassGroup(dist.ProcessGroup):
         if inner is not None:
             inner.shutdown()
 
-    def abort(self) -> None:
-        for sub in self.subgroups:
-            sub.abort()
-        if self._inner is not None:
-            self._inner.abort()
+    def sever(self, reason: str) -> int:
+        """Called from another thread while this process may sit in a collective of this group or
+        of a subgroup: make every collective of this generation fail now (severing.py: gloo's
+        connections shut down, NCCL aborted); failed() reports ``reason`` from then on, so the
+        bootstrap treats what the script raises as an interruption. Returns the connections cut.
+        A local group (no generation) is left alone."""
+        count = sum(sub.sever(reason) for sub in self.subgroups)
+        inner = self._inner
+        if inner is None:
+            return count
+        if self.failure is None:
+            self.failure = WorkerError(reason, rank=self.rank(), gen=self.gen)
+        if "nccl" in self.backend:
+            with contextlib.suppress(RuntimeError):  # already aborted or shut down
+                inner.abort()
+        return count + severing.cut(self._sockets)
 
     def abandon(self) -> None:
         """After a failed collective: abort and shut the inner group down (closing its connections,

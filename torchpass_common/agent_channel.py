@@ -69,6 +69,7 @@ RESUMED = "resumed"
 ERROR = "error"
 INTERRUPTED = "interrupted"  # a collective failed (peer lost): state captured, waiting for recover
 DETACHED = "detached"  # transparent mode: sockets dropped, the channel closes next (criu may dump now)
+PONG = "pong"  # the reader thread's answer to a ping: the process is not frozen
 # agent -> worker
 PAUSE = "pause"
 SAVE = "save"
@@ -77,6 +78,10 @@ RESUME = "resume"
 EXIT = "exit"
 RECOVER = "recover"  # to an interrupted worker: donate its state, re-enter the script, load, park
 DETACH = "detach"  # transparent mode, while parked: drop what criu cannot carry, wait on the control fd
+# A peer is lost (torchpassd decided it): fail this worker's collectives now. Carried out by the
+# worker's reader thread at once, whatever the training thread is doing (it may sit in a collective).
+SEVER = "sever"
+PING = "ping"  # launchpad's progress watchdog: answered by the reader thread, whatever training does
 
 _NUMBER = (int, float)
 # Required fields of each message type and the types they must have. Extra fields are allowed
@@ -102,6 +107,9 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     EXIT: {},
     RECOVER: {"gen": int, "world_size": int, "step": int, "donate": list},
     DETACH: {},
+    SEVER: {"reason": str},
+    PING: {},
+    PONG: {},
 }
 
 

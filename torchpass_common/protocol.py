@@ -24,6 +24,7 @@ TOPIC_ROOT = "torchpass/v1/jobs"
 HEARTBEAT, STATE, COMMAND, ACK, EVENT = "heartbeat", "state", "command", "ack", "event"
 KINDS = frozenset({HEARTBEAT, STATE, COMMAND, ACK, EVENT})
 COMMANDS = frozenset({"recover",  # unplanned: an interrupted survivor donates its state, re-enters, loads
+                      "sever",  # unplanned: a peer was decided lost: cut the collectives of stalled workers
                       "pause", "save", "receive", "reform", "resume", "start_joiner", "abort", "exit",
                       "notice",  # a line for the job's own output: why it is not protected right now
                       "health_replay",  # the gpu-degrade drill: sample a recorded failing GPU from now on

@@ -20,6 +20,7 @@ class WorkerState(StrEnum):
     DETACHED = "detached"  # transparent mode: sockets dropped, ready for criu
     ERROR = "error"  # a command failed in the worker
     EXITED = "exited"  # the process ended
+    CRASHED = "crashed"  # killed by a signal on a live node; launchpad holds its place for an in-place rebuild
 
 
 ENDED = frozenset({WorkerState.EXITED})

@@ -6,6 +6,8 @@ like a death (heartbeats come from launchpad, not from the training loop)."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ class Death:
     evidence: tuple[str, ...]
     failed_at: float
     decided_at: float
+    in_place: bool = False  # only these ranks' workers died, on a live node: rebuilt there, no spare
 
     @property
     def detect_s(self) -> float:
@@ -38,7 +41,8 @@ class Death:
 
     def describe(self) -> dict[str, Any]:
         return {"job": self.job, "node": self.node, "ranks": list(self.ranks), "evidence": list(self.evidence),
-                "failed_at": self.failed_at, "decided_at": self.decided_at, "detect_s": round(self.detect_s, 3)}
+                "failed_at": self.failed_at, "decided_at": self.decided_at, "detect_s": round(self.detect_s, 3),
+                "in_place": self.in_place}
 
 
 @dataclass
@@ -54,6 +58,7 @@ class _Node:
     decided: bool = False
     deferred: str = ""  # why the last decision was left to someone else (logged once)
     alive_proven: bool = False  # its ranks trained on after a decision: silence alone no longer counts
+    crashes_decided: set[int] = field(default_factory=set)  # pids of crashed workers already decided on
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -68,6 +73,10 @@ class _Node:
     @property
     def interrupted(self) -> bool:
         return any(w.get("state") == INTERRUPTED for w in self.workers)
+
+    def new_crashes(self) -> list[dict[str, Any]]:
+        """Workers launchpad holds as crashed (killed by a signal, the node alive), not decided yet."""
+        return [w for w in self.workers if w.get("state") == WorkerState.CRASHED and w.get("pid") not in self.crashes_decided]
 
 
 def is_last_will(body: dict[str, Any]) -> bool:
@@ -102,8 +111,8 @@ class FailureDetector:
         if msg.kind == protocol.HEARTBEAT:
             n.workers, n.last_heartbeat = list(msg.body["workers"]), now
             n.offline_at, n.will, n.alive_proven = None, False, False
-            if n.interrupted or any(self._node(msg.job, o).offline_at for o in self.jobs[msg.job]):
-                self.check()  # an interruption corroborates a peer's Last Will at once
+            if n.interrupted or n.new_crashes() or any(self._node(msg.job, o).offline_at for o in self.jobs[msg.job]):
+                self.check()  # an interruption corroborates a peer's Last Will at once; a crash is decided at once
         elif msg.kind == protocol.STATE:
             if msg.body["online"]:
                 n.offline_at, n.will = None, False
@@ -149,6 +158,9 @@ class FailureDetector:
             for name, n in nodes.items():
                 if n.decided or not n.ran_workers:
                     continue
+                if (death := self._crash(job, name, n, now)) is not None:
+                    found.append(death)
+                    continue
                 evidence = self._evidence(job, name, n, now)
                 if not evidence:
                     continue
@@ -167,6 +179,29 @@ class FailureDetector:
                 found.append(death)
                 self.on_death(death)
         return found
+
+    def _crash(self, job: str, name: str, n: _Node, now: float) -> Death | None:
+        """The in-place decision: workers of ``name`` were killed by a signal while its launchpad
+        heartbeats (the node lives): only their ranks are lost, rebuilt on the node itself."""
+        crashed = n.new_crashes()
+        if not crashed or n.offline_at is not None:
+            return None
+        why = self.busy(job, name)
+        if why:
+            if why != n.deferred:
+                self.log.info("failure.deferred", job=job, node=name, why=why, crashed=[w["rank"] for w in crashed])
+            n.deferred = why
+            return None
+        n.crashes_decided |= {w.get("pid") for w in crashed}
+        evidence = tuple(f"worker rank {w['rank']} {_how(w)} on {name}; the node and its launchpad are alive"
+                         for w in crashed)
+        seen = n.last_heartbeat or now  # a frozen worker stopped before the watchdog killed it
+        failed_at = min(seen - (w["frozen_s"] if isinstance(w.get("frozen_s"), int | float) else 0.0) for w in crashed)
+        death = Death(job, name, tuple(sorted(w["rank"] for w in crashed)), evidence, failed_at, now, in_place=True)
+        self.log.warning("failure.decided", job=job, node=name, ranks=list(death.ranks), evidence=list(evidence),
+                         in_place=True)
+        self.on_death(death)
+        return death
 
     def _evidence(self, job: str, name: str, n: _Node, now: float) -> list[str]:
         """The signals against ``name``, or [] while they do not add up to a death."""
@@ -218,3 +253,14 @@ class FailureDetector:
         if node in self.jobs.get(job, {}):
             self.jobs[job][node].decided = False
             self.jobs[job][node].alive_proven = proven_alive
+
+
+def _how(worker: dict[str, Any]) -> str:
+    """"was killed by signal SIGKILL" for a worker's exit code -9; a frozen one says so."""
+    code, frozen = worker.get("exit_code"), worker.get("frozen_s")
+    if isinstance(frozen, int | float):
+        return f"was frozen (no step, no answer for {frozen:.1f} s) and killed by launchpad's watchdog"
+    if isinstance(code, int) and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {signal.Signals(-code).name}"
+    return f"ended with code {code}"

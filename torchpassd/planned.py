@@ -318,15 +318,16 @@ class Flow:
         asyncio.get_running_loop().run_in_executor(None, proc.wait)  # reap it whenever it ends
         await self._wait_receiver(proc, target, target_addr, ports, tpl.cwd)
 
-    async def _wait_receiver(self, proc: subprocess.Popen, target: str, target_addr: str, ports: list[int],
+    async def _wait_receiver(self, proc: subprocess.Popen | None, target: str, target_addr: str, ports: list[int],
                              cwd: str) -> None:
         """Until every joining worker's wormhole receiver listens (it has built its model and sits in
-        register()); the launchpad step ending first is a failure."""
+        register()); the launchpad step ``proc`` (None: joiners of a running launchpad) ending first
+        is a failure."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.t.decision
         waiting = list(ports)
         while waiting:
-            if proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:
                 raise SpareFailed(_step_ended(proc.returncode, target, cwd), spare=target,
                                   hint=f"see {self.d.steps_dir} and the job's output", **self.where)
             with contextlib.suppress(OSError):

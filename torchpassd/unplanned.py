@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slurm_plugin import events as ev
+from slurm_plugin import node_admin
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
+from torchpass_common.worker_state import WorkerState
 from torchpassd import journal as jn
 from torchpassd import planned
 from torchpassd.failure_detect import INTERRUPTED, Death, FailureDetector
@@ -33,6 +35,8 @@ from torchpassd.planned import (
 )
 
 MODE = "unplanned-aware"
+CRASHED = WorkerState.CRASHED
+CRASHES_TO_DRAIN, CRASH_WINDOW_S = 3, 600.0  # a node whose workers crash this often is migrated
 LAG_PORT_OFFSET = 50  # a lagging survivor listens for the donor's state on port + this
 DETECTED, INTERRUPTED_ALL, RECOVERED = "detected", "interrupted", "recovered"
 REFORMED, RESUMED, RELEASED, FAILED = planned.REFORMED, planned.RESUMED, planned.RELEASED, planned.FAILED
@@ -53,14 +57,26 @@ class UnplannedPlan(Plan):
     laggards: list[str] = field(default_factory=list)
     resume_step: int = -1
     recover_sent: bool = False
+    severed: dict[str, list[int]] = field(default_factory=dict)  # per survivor: ranks whose collectives were cut
 
     @property
     def dead(self) -> list[str]:
-        return [s["node"] for s in self.seats]
+        """The nodes lost (not those whose lost ranks are rebuilt in place: they live)."""
+        return [s["node"] for s in self.seats if not s.get("in_place")]
 
     @property
     def targets(self) -> list[str]:
-        return [s["target"] for s in self.seats if s.get("target")]
+        """The spares taking lost nodes' ranks."""
+        return [s["target"] for s in self.seats if s.get("target") and not s.get("in_place")]
+
+    @property
+    def in_place(self) -> list[str]:
+        """The live nodes whose crashed ranks are rebuilt on them."""
+        return [s["node"] for s in self.seats if s.get("in_place")]
+
+    @property
+    def lost_ranks(self) -> set[int]:
+        return {r for s in self.seats for r in s.get("ranks") or [s["rank"]]}
 
 
 def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dict[str, Any]) -> tuple[str, list[str], int]:
@@ -82,6 +98,15 @@ def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dic
     donor = rank_node[leaders[0]]
     laggards = sorted({rank_node[r] for r in behind})
     return donor, laggards, c_max
+
+
+def interrupted_after(launchpads: dict[str, Any], survivors: list[str], decided_at: float) -> float | None:
+    """Seconds from the decision to the last survivor's interruption (launchpads' reports; 0 when
+    every survivor was interrupted before it), or None when a report lacks the time."""
+    times = [w.get("interrupted_at") for n in survivors for w in launchpads[n].workers]
+    if not times or any(not isinstance(t, int | float) for t in times):
+        return None
+    return round(max(0.0, max(times) - decided_at), 3)
 
 
 class NoReplica(MigrationError):
@@ -138,7 +163,8 @@ class UnplannedRecovery(Flow):
         try:
             await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
                              evidence=p.evidence, failed_at=p.failed_at)
-            await self._seat_all(deaths)
+            await asyncio.gather(self._sever_survivors([d.node for d in deaths if not d.in_place]),
+                                 self._seat_all(deaths))
             await self._wait_interrupted()
             await self._recover()
         except RanksAlive as exc:
@@ -159,15 +185,37 @@ class UnplannedRecovery(Flow):
         await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
         return jn.ROLLED_BACK
 
+    async def _sever_survivors(self, lost: list[str]) -> None:
+        """Active abort, while the spare is prepared: each survivor's launchpad cuts the collectives
+        of its workers that stopped progressing (launchpad/stall_watch.py), so every survivor
+        reaches its just-in-time checkpoint now, wherever it sits in the ring, instead of at the
+        collective timeout; workers still training are only watched (their peers all answer: the
+        lost node's ranks may be alive, _check_still_training). Never fails the recovery: a
+        launchpad that does not answer leaves its workers to the collective timeout, as before."""
+        p = self.plan
+        survivors = [n for n in self._survivors() if n not in lost]
+        args = {"lost": lost, "watch_s": self.t.collective}
+        results = await asyncio.gather(*(self.send(n, "sever", p.gen, args, timeout=self.t.collective)
+                                         for n in survivors), return_exceptions=True)
+        for node, res in zip(survivors, results, strict=True):
+            if isinstance(res, BaseException):
+                self.log.warning("unplanned.sever_failed", node=node, error=str(res))
+            else:
+                p.severed[node] = res.get("severed", [])
+
     def _survivors(self) -> list[str]:
         view = self.view()
         return sorted(n for n, lp in view.launchpads.items()
-                      if lp.online and lp.workers and n not in self.plan.dead and n not in self.plan.targets
+                      if lp.online and self._members(lp.workers) and n not in self.plan.dead
+                      and n not in self.plan.targets
                       and (not view.nodes or n in view.nodes))
 
     async def _seat(self, death: Death) -> None:
-        """Prepare the place of ``death``'s rank: a spare in the job with a joiner waiting."""
+        """Prepare the place of ``death``'s ranks: a spare in the job with joiners waiting, or
+        (in place) joiners waiting on the live node itself."""
         p, view = self.plan, self.view()
+        if death.in_place:
+            return await self._seat_in_place(death)
         if death.node == view.batch_host:
             raise MigrationError(f"the batch host {death.node} died; Slurm ends the job with it",
                                  hint="keep training ranks off the batch host, or restart from a checkpoint",
@@ -188,8 +236,8 @@ class UnplannedRecovery(Flow):
         seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks)}
         p.seats.append(seat)
         p.survivors = survivors
-        donor = survivors[0]
-        tpl = await self._template(donor, self.view().ranks_on(donor)[0])  # the lost worker's own node is gone
+        donor = survivors[0]  # the lost worker's own node is gone; a rank rebuilt in place has no worker to read
+        tpl = await self._template(donor, next(r for r in self.view().ranks_on(donor) if r not in p.lost_ranks))
         self._adopt_template(tpl)
         if tpl.env["MASTER_ADDR"] in p.dead:
             raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
@@ -211,6 +259,36 @@ class UnplannedRecovery(Flow):
                 continue
             await self.phase(JOINER_READY, spare=seat["target"])
             return
+
+    async def _seat_in_place(self, death: Death) -> None:
+        """Only ``death.ranks``' workers died, on a node that lives: their joiners start there
+        (launchpad's start_joiner takes the crashed workers' places), no spare and no resize; the
+        node's other ranks are survivors like any other."""
+        p, view = self.plan, self.view()
+        if not death.ranks:
+            raise MigrationError(f"no crashed rank on {death.node} to rebuild", **self.where)
+        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks),
+                                "in_place": True}
+        p.seats.append(seat)
+        p.survivors = self._survivors()
+        lost = p.lost_ranks
+        alive = [(n, r) for n in p.survivors for r in view.ranks_on(n) if r not in lost]
+        orphans = [r for r in death.ranks
+                   if (h := view.replicas.get(r)) is not None and not {a for _, a in alive} & set(h)]
+        if not alive or orphans:
+            raise NoReplica(f"no surviving rank holds a replica of ranks {orphans or list(death.ranks)} that crashed "
+                            f"on {death.node}", hint="the job restarts from its last checkpoint", **self.where)
+        self._adopt_template(await self._template(*alive[0]))
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        seat["target_addr"] = (nodes[death.node].addr if death.node in nodes else "") or death.node
+        p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
+        ports = [joiner_port(p.port, i) for i in range(len(death.ranks))]
+        for rank, port in zip(death.ranks, ports, strict=True):
+            await self.send(death.node, "start_joiner", p.gen, {
+                "rank": rank, "world_size": p.world_size,
+                "source": {"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()}}, timeout=self.t.reform)
+        await self._wait_receiver(None, death.node, seat["target_addr"], ports, "")
+        await self.phase(JOINER_READY, node=death.node, ranks=list(death.ranks), in_place=True)
 
     async def _seat_on_a_spare(self, seat: dict[str, Any], death: Death) -> None:
         """Take a spare for ``seat`` and grow the job by it."""
@@ -286,7 +364,8 @@ class UnplannedRecovery(Flow):
         """Nodes of the job, neither lost nor a spare of this recovery, whose launchpad has not
         reported its workers: their ranks would be missing from the new generation."""
         view, p = self.view(), self.plan
-        return sorted(n for n in view.nodes if n not in p.dead and n not in p.targets and n not in p.survivors)
+        return sorted(n for n in view.nodes
+                      if n not in p.dead and n not in p.targets and n not in p.survivors and n not in p.in_place)
 
     def _check_still_training(self, baseline: dict[str, int]) -> None:
         """A survivor that completes two more steps while we wait for the interruption has had
@@ -309,11 +388,16 @@ class UnplannedRecovery(Flow):
             lp = view.launchpads.get(node)
             if lp is None or not lp.online or not lp.workers:
                 return None
-            for w in lp.workers:
+            for w in self._members(lp.workers):
                 if w.get("state") != INTERRUPTED:
                     return None
                 steps[str(w["rank"])] = int(w["step"])
         return steps
+
+    def _members(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A survivor node's surviving workers: not a rank being rebuilt (a crashed worker, or its joiner)."""
+        lost = self.plan.lost_ranks
+        return [w for w in workers if w["rank"] not in lost and w.get("state") != CRASHED and not w.get("joining")]
 
     async def _wait_interrupted(self) -> None:
         """Until every survivor parked with its just-in-time state (bounded: a collective with
@@ -335,7 +419,8 @@ class UnplannedRecovery(Flow):
             if loop.time() > deadline:
                 view = self.view()
                 late = sorted({*unheard, *(n for n in p.survivors if n not in view.launchpads
-                                           or any(w.get("state") != INTERRUPTED for w in view.launchpads[n].workers))})
+                                           or any(w.get("state") != INTERRUPTED
+                                                  for w in self._members(view.launchpads[n].workers)))})
                 raise MigrationError(f"survivors {late} did not report their workers interrupted within "
                                      f"{self.t.step + self.t.collective:.0f} s",
                                      hint="a rank hangs outside a collective; see its launchpad log", **self.where)
@@ -343,27 +428,28 @@ class UnplannedRecovery(Flow):
             with contextlib.suppress(TimeoutError):  # heartbeats arrive every second: poll
                 await asyncio.wait_for(self._changed.wait(), 0.1)
         view = self.view()
-        unregistered = sorted(n for n in p.survivors for w in view.launchpads[n].workers
-                              if w.get("registered") is False)
+        unregistered = sorted({n for n in p.survivors for w in self._members(view.launchpads[n].workers)
+                               if w.get("registered") is False})
         if unregistered:
             raise MigrationError(f"workers on {unregistered} never called torchpass.register(save, load): "
                                  "their state cannot be captured", hint="fall back to the job's last checkpoint",
                                  **self.where)
-        rank_node = {w["rank"]: n for n in p.survivors for w in view.launchpads[n].workers}
+        rank_node = {w["rank"]: n for n in p.survivors for w in self._members(view.launchpads[n].workers)}
         p.donor, p.laggards, p.resume_step = choose_donor(steps, rank_node, where=self.where)
         p.steps = steps
         await self.phase(INTERRUPTED_ALL, steps=steps, resume_step=p.resume_step, donor=p.donor,
-                         laggards=p.laggards)
+                         laggards=p.laggards, severed=p.severed,
+                         interrupted_after_s=interrupted_after(view.launchpads, p.survivors, self.detected_at))
 
     def recover_args(self, addrs: dict[str, str]) -> dict[str, dict[str, Any]]:
         """The `recover` command for each survivor: donors stream each lost rank's state to its
         joiner (and the first donor to the lagging ranks, who listen for it); all re-enter the script."""
         p = self.plan
-        base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.seats)}
+        base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.dead)}
         args = {n: dict(base) for n in p.survivors}
         view = self.view()
         token = self.token.hex()
-        rank_node = {r: n for n in p.survivors for r in view.ranks_on(n)}
+        rank_node = {r: n for n in p.survivors for r in view.ranks_on(n) if r not in p.lost_ranks}
         leaders = sorted(r for r in rank_node if p.steps.get(str(r), p.resume_step) == p.resume_step)
         load: dict[int, int] = {}
 
@@ -378,7 +464,8 @@ class UnplannedRecovery(Flow):
             for i, rank in enumerate(seat.get("ranks") or [seat["rank"]]):
                 donate(rank, {"host": seat["target_addr"], "port": joiner_port(p.port, i), "token": token})
         for lag in p.laggards:
-            behind = [r for r in view.ranks_on(lag) if p.steps.get(str(r), p.resume_step) < p.resume_step]
+            behind = [r for r in view.ranks_on(lag)
+                      if r not in p.lost_ranks and p.steps.get(str(r), p.resume_step) < p.resume_step]
             sources = {str(r): {"listen_host": "0.0.0.0", "port": joiner_port(p.port + LAG_PORT_OFFSET, j),
                                 "token": token} for j, r in enumerate(behind)}
             args[lag]["load_from"] = sources
@@ -408,7 +495,7 @@ class UnplannedRecovery(Flow):
         """From the hand-over on: form generation G+1 with the joiner(s), resume at the failed
         step, release the dead node(s). Also used by a restarted torchpassd."""
         p = self.plan
-        members = [*p.survivors, *p.targets]
+        members = list(dict.fromkeys([*p.survivors, *p.targets, *p.in_place]))
         try:
             await self._absorb()
             await asyncio.gather(*(self.send(n, "reform", p.new_gen, self._reform_args(p.new_gen)) for n in members))
@@ -497,6 +584,7 @@ class Driver:
         self.dead: dict[str, dict[str, Death]] = {}
         self.running: dict[str, UnplannedRecovery] = {}
         self.given_up: set[str] = set()  # jobs whose recovery failed: ending, nothing more to judge
+        self.crashes: dict[tuple[str, str], list[float]] = {}  # (job, node) -> when its workers crashed
         self._said: dict[str, str] = {}
         self.detector = FailureDetector(self.d.cfg.timeouts, on_death=self.on_death, busy=self.busy,
                                         nodes_of=self._nodes_of, control_up=control_up)
@@ -524,9 +612,33 @@ class Driver:
             self.running[death.job].another_death(death)
             return
         self.dead.setdefault(death.job, {})[death.node] = death
-        self.o.pending.pop((death.job, death.node), None)  # a drain of it, if any, is moot now
+        if death.in_place:
+            self._count_crash(death)
+        else:
+            self.o.pending.pop((death.job, death.node), None)  # a drain of it, if any, is moot now
         self.o.yield_to_recovery(death)
         self.o.kick()
+
+    def _count_crash(self, death: Death) -> None:
+        """Escalation: a node whose workers crashed CRASHES_TO_DRAIN times within CRASH_WINDOW_S is
+        drained (reason in sinfo -R), so once this in-place recovery is done the planned migration
+        moves its ranks to a spare: a node that keeps killing workers is not healthy after all."""
+        key, now = (death.job, death.node), death.decided_at
+        recent = [t for t in self.crashes.get(key, []) if now - t < CRASH_WINDOW_S] + [now]
+        self.crashes[key] = recent
+        if len(recent) < CRASHES_TO_DRAIN:
+            return
+        self.crashes.pop(key)
+        reason = (f"torchpass: {len(recent)} worker crashes of job {death.job} within "
+                  f"{CRASH_WINDOW_S / 60:.0f} min; its ranks move to a spare")
+        self.log.warning("unplanned.crash_escalated", job=death.job, node=death.node, crashes=len(recent))
+
+        async def drain() -> None:
+            try:
+                await asyncio.to_thread(node_admin.drain, self.d.resizer.runner, death.node, reason)
+            except TorchPassError as exc:
+                self.log.error("unplanned.escalation_failed", node=death.node, error=str(exc))
+        asyncio.create_task(drain())
 
     def describe(self) -> list[dict[str, Any]]:
         return [{**d.describe(), "waiting": self.d.registry.jobs[job].blocked if job in self.d.registry.jobs else ""}
@@ -570,9 +682,12 @@ class Driver:
             return "waiting for the first Slurm poll"
         if self.policy != "wait":
             return ""  # fail: the recovery starts and fails clearly without a spare
+        lost_nodes = [d for d in deaths.values() if not d.in_place]  # a crash rebuilt in place takes no spare
+        if not lost_nodes:
+            return ""
         spares = self.d.pool.list(self.o.watcher.last)
         free = [s for s in spares if s.available]
-        if len(free) < len(deaths):
+        if len(free) < len(lost_nodes):
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
             return (f"{', '.join(sorted(deaths))} died; no spare free ({detail}); the survivors stay parked and "
                     "the job recovers when one appears (orchestrator.unplanned_no_spare = wait)")
@@ -582,7 +697,8 @@ class Driver:
         rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
         gen = rec.gen if rec else 1
         first = deaths[0]
-        reason = f"node {first.node} died: {'; '.join(first.evidence)}"
+        reason = (f"ranks {list(first.ranks)} crashed on {first.node}: " if first.in_place
+                  else f"node {first.node} died: ") + "; ".join(first.evidence)
         mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=MODE, source=first.node,
                                       reason=reason, gen=gen)
         await self.d.publish_event(job, "migration.started", {"migration": mid, "source": first.node,

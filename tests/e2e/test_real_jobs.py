@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import (
     PROGRESS,
+    TIMEOUTS,
     Daemon,
     Training,
     assert_bit_identical,
@@ -128,6 +129,9 @@ def test_unplanned_kill_of_a_two_rank_node_rebuilds_both_ranks_and_ends_complete
     chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
     assert chosen["detail"]["ranks"] == lost and len(lost) == NPROC, chosen  # every rank of the node, one spare
     failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+    interrupted = next(p for p in mig["phases"] if p["phase"] == "interrupted")["detail"]
+    # active abort: survivors wherever they sat in the ring reached their checkpoint long before the timeout
+    assert interrupted["interrupted_after_s"] < TIMEOUTS["collective"] / 2, interrupted
     job.wait_done(timeout=240)  # the dead node stays dead (DOWN): the job must end without it
     ref_steps, ref_finals = undisturbed(workdir, NODES * NPROC)
     ref = workdir / "reference-lines.log"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -73,11 +74,6 @@ dist.destroy_process_group()
 TRAIN_SCRIPT = _SCRIPT.replace("#REGISTER", "")
 HANDOVER_SCRIPT = _SCRIPT.replace("#REGISTER", "import torchpass\ntorchpass.register(save=save, load=load)")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_script(directory: Path, text: str = TRAIN_SCRIPT, name: str = "train.py") -> Path:

@@ -224,3 +224,44 @@ def test_a_restarted_torchpassd_recalls_the_dead_nodes_ranks_from_its_journal() 
     h.det.recall("7", "n3", [2])
     assert [(d.node, d.ranks) for d in h.deaths] == [("n3", (2,))]
     assert "launchpad Last Will (unclean disconnect)" in h.deaths[0].evidence
+
+
+def test_a_worker_killed_on_a_live_node_is_decided_at_once_as_an_in_place_loss_of_its_rank_only() -> None:
+    h = Harness()
+    h.run(3)
+    h.hb("n3", 10, "crashed", pid=4242, exit_code=-9)  # launchpad holds it and beats at once
+    assert len(h.deaths) == 1
+    d = h.deaths[0]
+    assert (d.node, d.ranks, d.in_place) == ("n3", (2,), True)
+    assert "killed by signal SIGKILL" in d.evidence[0] and "alive" in d.evidence[0]
+    h.run(5)  # its launchpad beats on (the joiner rebuilding rank 2 runs)
+    h.hb("n3", 10, "crashed", pid=4242, exit_code=-9)
+    assert len(h.deaths) == 1, "the same crash is decided once"
+    h.hb("n3", 12, "crashed", pid=5151, exit_code=-11)  # its replacement crashed too: a new decision
+    assert [(x.in_place, x.ranks) for x in h.deaths[1:]] == [(True, (2,))]
+    assert "SIGSEGV" in h.deaths[1].evidence[0]
+
+
+def test_a_node_that_dies_after_one_of_its_workers_crashed_is_still_decided_dead() -> None:
+    h = Harness()
+    h.run(3)
+    h.hb("n3", 10, "crashed", pid=4242, exit_code=-9)
+    h.now += 0.5
+    h.state("n3", False)  # then the whole node goes: its Last Will
+    h.hb("n1", 10, "interrupted", registered=True, error="gloo: connection reset")
+    assert [(d.node, d.in_place) for d in h.deaths] == [("n3", True), ("n3", False)]
+
+
+def test_a_crash_while_a_planned_migration_owns_the_node_waits_for_it() -> None:
+    h = Harness(busy={"n3": "a planned migration off n3 runs"})
+    h.run(3)
+    h.hb("n3", 10, "crashed", pid=4242, exit_code=-9)
+    assert h.deaths == []
+
+
+def test_a_frozen_worker_killed_by_the_watchdog_counts_its_frozen_time_as_detection() -> None:
+    h = Harness()
+    h.run(3)
+    h.hb("n3", 10, "crashed", pid=4242, exit_code=-9, frozen_s=3.5)
+    [d] = h.deaths
+    assert d.in_place and "frozen" in d.evidence[0] and d.detect_s == pytest.approx(3.5)

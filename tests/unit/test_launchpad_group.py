@@ -5,6 +5,7 @@ orchestrator told the workers to exit (the local exit code wins: the node failed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -134,3 +135,64 @@ def test_a_node_whose_workers_all_left_by_migration_is_emptied(tmp_path: Path) -
         return seen
 
     assert asyncio.run(main()) == [False, False, True]
+
+
+def held_round(tmp_path: Path, codes: list[str], hold_s: float, *, replace: bool) -> tuple[Outcome, dict]:
+    """Two workers under a WorkerGroup that holds crashes for ``hold_s``; with ``replace`` the
+    crashed rank 0 is rebuilt by a joiner (as torchpassd's start_joiner does) 0.5 s after it died."""
+    spec = LaunchSpec(entrypoint=sys.executable, args=(), no_python=True, grace_period=5.0)
+    seen: dict = {"beats": 0}
+
+    async def main() -> Outcome:
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path=str(tmp_path / "agent.sock"), hold_s=hold_s,
+                            on_held=lambda: seen.__setitem__("beats", seen["beats"] + 1))
+        for rank, code in enumerate(codes):
+            script = tmp_path / f"worker{rank}.py"
+            script.write_text(code)
+            group.adopt(await workers.spawn(dataclasses.replace(spec, args=(str(script),)), group.router,
+                                            rank, rank, {}))
+
+        async def rebuild() -> None:
+            while not group.held:
+                await asyncio.sleep(0.05)
+            seen["held"] = sorted(group.workers[p].rank for p in group.held)
+            await asyncio.sleep(0.5)
+            good = tmp_path / "joiner.py"
+            good.write_text("import time; time.sleep(1)")
+            group.spec = dataclasses.replace(spec, args=(str(good),))
+            w = await group.add_joiner(0, 2, {"listen_host": "127.0.0.1", "port": 1, "token": "00"})
+            seen["joiner_local_rank"] = w.local_rank
+
+        async def no_remote() -> str | None:
+            return None
+
+        task = asyncio.create_task(rebuild()) if replace else None
+        try:
+            return await asyncio.wait_for(group.supervise(asyncio.Event(), lambda: None, no_remote, 0.05), 30)
+        finally:
+            if task is not None:
+                await task
+            seen["ranks_after"] = sorted(w.rank for w in group.workers.values())
+            await group.stop()
+
+    return asyncio.run(main()), seen
+
+
+KILLED = "import os, signal, time; time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_a_worker_killed_by_a_signal_is_held_and_rebuilt_in_place_while_the_others_run(tmp_path: Path) -> None:
+    out, seen = held_round(tmp_path, [KILLED, "import time; time.sleep(2)"], hold_s=10, replace=True)
+    assert out.ok, out.describe()  # the joiner took rank 0's place and both finished
+    assert seen["held"] == [0] and seen["beats"] == 1  # torchpassd was told at once
+    assert seen["joiner_local_rank"] == 0 and seen["ranks_after"] == [0, 1]  # the crashed one is gone
+
+
+def test_a_held_crash_not_rebuilt_in_time_fails_the_round_as_torchrun_would(tmp_path: Path) -> None:
+    out, seen = held_round(tmp_path, [KILLED, "import time; time.sleep(20)"], hold_s=1, replace=False)
+    assert (out.ok, out.failed) == (False, (0, -9)), out.describe()
+
+
+def test_a_script_that_raises_is_never_held(tmp_path: Path) -> None:
+    out, seen = held_round(tmp_path, ["raise SystemExit(1)", "import time; time.sleep(20)"], hold_s=10, replace=False)
+    assert (out.ok, out.failed) == (False, (0, 1)) and seen["beats"] == 0

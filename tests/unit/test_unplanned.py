@@ -226,7 +226,10 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     assert recover["n1"]["load_from"]["0"]["port"] == donations[0][1]["dest"]["port"]  # rank 0 lags
     assert "donate" not in recover["n1"] and "load_from" not in recover["n4"]
     first_reform = cmds.index(next(c for c in cmds if c[1] == "reform"))
-    assert all(c[1] == "recover" for c in cmds[:first_reform])
+    # active abort first: every survivor (not the dead node) is told to cut its stalled workers' collectives
+    severs = {n: a for n, c, _, a in w.commander.sent if c == "sever"}
+    assert set(severs) == {"n1", "n2", "n4"} and all(a["lost"] == ["n3"] for a in severs.values()), severs
+    assert [c for _, c in cmds[:first_reform]] == ["sever"] * 3 + ["recover"] * 3
     assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
     assert w.slurm.added == ["n5"] and w.slurm.evicted == ["n3"] and not w.slurm.released
     assert w.slurm.settled_nodes == ["n5"]  # in the job now: Slurm guards it, the pool forgets its mark
@@ -581,4 +584,74 @@ def test_the_spare_a_running_migration_brings_in_is_not_judged(tmp_path: Path) -
     assert orch.unplanned.busy("7", "n5") == "a migration is bringing n5 into the job"
     assert orch.unplanned.busy("7", "n6") == "a migration is bringing n6 into the job"
     assert orch.unplanned.busy("7", "n2") == ""
+    w.close()
+
+
+def _crash(node: str, rank: int) -> Death:
+    now = time.time()
+    return Death("7", node, (rank,), (f"worker rank {rank} was killed by signal SIGKILL on {node}",),
+                 now - 1.0, now - 0.5, in_place=True)
+
+
+def test_a_crashed_rank_is_rebuilt_in_place_on_its_live_node_without_a_spare(tmp_path: Path) -> None:
+    w = World(tmp_path, ["n5"], steps={"n1": 42, "n2": 42, "n4": 41})  # n4 lags one step
+
+    async def on_send(node: str, cmd: str) -> None:
+        if cmd == "start_joiner":  # launchpad's joiner on n3 listens for rank 2's state
+            w.slurm.start_step(7, node, ["launchpad"])
+    w.commander.on_send = on_send
+
+    async def go() -> str:
+        await w.setup()
+        await w.registry.on_message("n3", _hb("n3", 2, 40, "crashed", exit_code=-9))
+        rec = w.recovery()
+        interrupt = asyncio.create_task(w.interrupt())
+        status = await rec.run([_crash("n3", 2)])
+        await interrupt
+        return status
+    status = asyncio.run(go())
+    assert status == jn.SUCCEEDED, w.journal.history()[0].error
+    assert not w.slurm.added and not w.slurm.evicted and not w.slurm.released and w.slurm.free == ["n5"]
+    [(node, joiner)] = [(n, a) for n, c, _, a in w.commander.sent if c == "start_joiner"]
+    assert node == "n3" and joiner["rank"] == 2 and joiner["world_size"] == 4
+    assert joiner["source"]["port"] == w.port and len(joiner["source"]["token"]) == 64
+    recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
+    assert set(recover) == {"n1", "n2", "n4"}  # n3's only rank is the one being rebuilt
+    donations = {d["rank"]: (n, d) for n, a in recover.items() for d in _listed(a.get("donate"))}
+    assert donations[2][1]["dest"]["port"] == w.port and donations[2][0] in ("n1", "n2")  # from a rank at step 42
+    assert recover["n4"]["load_from"]  # the lagging survivor loads the donor's state
+    cmds = [(n, c) for n, c, _, _ in w.commander.sent]
+    assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n3", "n4"}
+    mig = w.journal.history()[0]
+    assert mig.status == jn.SUCCEEDED and not mig.target  # no spare
+    phases = [p.phase for p in mig.phases]
+    assert phases == ["requested", "detected", "joiner_ready", "interrupted", "recovered", "reformed", "resumed",
+                      "released"]
+    ready = next(p for p in mig.phases if p.phase == "joiner_ready").detail
+    assert ready["in_place"] is True and ready["node"] == "n3" and ready["ranks"] == [2]
+    assert w.journal.jobs()[0].nodes == ["n1", "n2", "n3", "n4"]  # the job keeps its nodes
+    w.close()
+
+
+def test_a_node_whose_workers_keep_crashing_is_drained_so_its_ranks_move(tmp_path: Path) -> None:
+    from torchpassd.unplanned import CRASHES_TO_DRAIN, Driver
+
+    w = World(tmp_path, [])
+
+    async def go() -> None:
+        await w.setup()
+        orch = FakeOrch(w.deps)
+        driver = orch.unplanned = Driver(orch, lambda: True)
+        orch.pending[("7", "n3")] = "drain"
+        for _ in range(CRASHES_TO_DRAIN - 1):
+            driver.on_death(_crash("n3", 2))
+        await asyncio.sleep(0.1)
+        assert not w.slurm.commands and ("7", "n3") in orch.pending  # in place, no spare needed, drain kept
+        assert orch.spawned == ["7"] * (CRASHES_TO_DRAIN - 1)
+        driver.on_death(_crash("n3", 2))
+        await asyncio.sleep(0.1)
+    asyncio.run(go())
+    [argv] = w.slurm.commands
+    assert argv[:3] == ["scontrol", "update", "nodename=n3"] and "state=drain" in argv
+    assert any("3 worker crashes" in a for a in argv), argv
     w.close()

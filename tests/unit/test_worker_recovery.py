@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from launchpad.wormhole import send_state
 from launchpad.wormhole.transport import Stream, TcpTransport
+from tests.support.ports import free_port
 from torchpass import default_group, handover, recovery, steps
 from torchpass.agent import Agent
 from torchpass_common import agent_channel as ac
@@ -179,8 +180,3 @@ class Tearing(TcpTransport):
         stream.send = tearing_send  # type: ignore[method-assign]
         return stream
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

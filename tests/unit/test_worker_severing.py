@@ -1,0 +1,88 @@
+"""Active abort on real gloo, one process per rank: a rank frozen in the middle of training (it
+stops taking part in collectives) leaves the others waiting in an all-reduce until the group's
+timeout; TorchPassGroup.sever, called from another thread as the worker's reader thread calls
+it, frees each of them at once, in the default group and in a subgroup, reports why through
+failed(), and leaves the store usable so the next generation forms without the frozen rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.support.ports import free_port
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torchpass.group import TorchPassGroup
+
+    rank, world, port, where = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    pg = TorchPassGroup("gloo", dist.PrefixStore("gen1/", store), rank, world, timedelta(seconds=60), local=False)
+    sub = pg.new_group([1, world - 1], group_name="with_the_frozen_rank")  # None outside it
+    pg.allreduce([torch.ones(8)]).wait()  # every rank took part once
+    if rank == world - 1:  # frozen: alive, connected, never answers again
+        time.sleep(120)
+        sys.exit(0)
+    out = {"rank": rank}
+    def sever():
+        time.sleep(1.0)
+        out["cut"] = pg.sever("n4 was lost (test)")
+    cutter = threading.Thread(target=sever, daemon=True)
+    cutter.start()
+    if rank == 0:  # rank 0 is severed while it computes, the others while they wait
+        time.sleep(2.0)
+    t0 = time.monotonic()
+    try:
+        group = sub if where == "sub" and sub is not None else pg
+        group.allreduce([torch.ones(8)]).wait()
+        out["completed"] = True
+    except RuntimeError as exc:
+        out["error"] = str(exc)[:200]
+    out["waited_s"] = round(time.monotonic() - t0, 2)
+    cutter.join()
+    out["failed"] = repr(pg.failed())  # the cut, or a peer's cut that reached this rank first
+    pg.abandon()
+    store.set(f"after/{rank}", "ok")  # the store outlives the cut: the next generation forms through it
+    out["store"] = store.get(f"after/{rank}").decode()
+    print(json.dumps(out), flush=True)
+    sys.exit(0)
+""")
+
+
+def run_job(tmp_path: Path, where: str, world: int = 4) -> list[dict]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), where],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = []
+    for p in procs[:-1]:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    procs[-1].kill()
+    procs[-1].communicate()
+    return results
+
+
+def test_a_severed_rank_waiting_on_a_frozen_peer_is_freed_at_once_not_at_the_timeout(tmp_path: Path) -> None:
+    results = run_job(tmp_path, "default")
+    for r in results:
+        assert "completed" not in r, r  # a collective with a frozen member cannot complete
+        assert r["waited_s"] < 10, r  # the group's timeout is 60 s: the cut freed it
+        assert r["cut"] > 0 and r["failed"] != "None", r  # the bootstrap sees an interruption
+        assert r["store"] == "ok", r
+    assert results[0]["waited_s"] < 1, results[0]  # severed before its collective: it fails at once
+    assert "n4 was lost (test)" in results[0]["failed"], results[0]  # and says why
+
+
+def test_a_collective_of_a_subgroup_is_freed_too(tmp_path: Path) -> None:
+    results = run_job(tmp_path, "sub")  # rank 1 waits in a subgroup with the frozen rank, the others in the default
+    for r in results:
+        assert "completed" not in r and r["waited_s"] < 10, r
+        assert r["failed"] != "None" and r["store"] == "ok", r
