@@ -22,6 +22,7 @@ from torchpassd.goodput import checkpoint_restart_loss_s, ratio
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("planned-aware", "planned-transparent", "unplanned")
 GOAL_RATIO, GOAL_FLOOR_FACTOR, GOAL_FLOOR_PLUS_S, GOAL_OVERHEAD, GOAL_DECISION_MS = 20.0, 1.5, 2.0, 1.01, 100.0
+GOAL_UNPLANNED_S = 3.0  # unplanned time lost beyond the transfer floor, wherever the victim sits
 MEMORY_MARGIN = 0.7  # use at most this share of MemAvailable for one state-size run
 
 
@@ -93,6 +94,9 @@ def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
     out["overhead_ratio"] = over.get("ratio")
     out["overhead_component_ratio"] = over.get("component_ratio")  # 1 + TorchPass's added time / step
     out["decision_latency_ms"] = (raw.get("scale") or {}).get("decision_latency_ms")
+    out["unplanned_by_position"] = {v: {"time_lost_s": _round(time_lost(rep, base.get("step_s", 0.0))),
+                                        "detect_s": rep.get("detect_s"), "note": rep.get("not_available")}
+                                    for v, rep in (raw.get("positions") or {}).items()}
     return out
 
 
@@ -124,6 +128,12 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{over['added_us_per_step']} us to a {over['torchrun_step_ms']:.3g} ms step) | < 1.01 |")
     rows.append(f"| decision_latency_ms at {res['raw'].get('scale', {}).get('nodes', '?')} nodes | "
                 f"{_fmt(res['decision_latency_ms'])} | < 100 |")
+    timeout = res["raw"].get("collective_timeout_s")
+    for v, pos in res.get("unplanned_by_position", {}).items():
+        value = (f"{_fmt(pos['time_lost_s'])} s (detected in {_fmt(pos['detect_s'])} s; collective timeout "
+                 f"{_fmt(timeout)} s)" if pos["time_lost_s"] is not None else str(pos["note"]))
+        rows.append(f"| unplanned time lost, node {v} of the job killed | {value} | <= {GOAL_UNPLANNED_S:g} s + "
+                    "transfer floor |")
     return "\n".join(rows) + "\n"
 
 
@@ -198,7 +208,8 @@ class _Daemon:
                 self.proc.wait(10)
 
 
-def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, nproc: int = 1) -> dict[str, Any]:
+def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, nproc: int = 1,
+           victim: int = 0) -> dict[str, Any]:
     """One drill through torchpassctl drill's code, against a torchpassd of its own (one journal for
     all: torchpassd's spare pool still counts a spare used by an ended job's migration as taken, so
     a second drill in one daemon would wait for a spare); its report plus the hand-over's bytes."""
@@ -208,7 +219,7 @@ def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, 
     if mode not in drillmod.MODES:
         return {"not_available": f"not available: this build's torchpassctl drill has no mode {mode!r} "
                                  f"(it has {', '.join(drillmod.MODES)})"}
-    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0)
+    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0, victim=victim)
     _say(f"[recovery] drill {mode}, {nproc} rank(s) a node" +
          (f", {state_mib} MiB extra state per rank" if state_mib else ""))
     daemon = _Daemon(cluster, work)
@@ -269,6 +280,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     cluster.reset()
     for mode in a.modes.split(","):
         raw["modes"][mode] = _drill(cluster, work, mode, a.nodes)
+    if a.positions:  # unplanned, each node but the batch host killed in turn: far from the ring's break too
+        from torchpass_common import config
+        raw["collective_timeout_s"] = config.load(cluster.info["torchpass_config"]).timeouts.collective
+        raw["positions"] = {str(v): _drill(cluster, work, "unplanned", a.nodes, victim=v) for v in range(1, a.nodes)}
     aware = raw["modes"].get("planned-aware", {})
     if aware.get("pause_s") is not None:
         raw["sizes"]["model only"] = aware
@@ -287,6 +302,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench recovery")
     p.add_argument("--nodes", type=int, default=3, help="nodes of the example job (default 3)")
     p.add_argument("--modes", default=",".join(MODES), help="drill modes to measure")
+    p.add_argument("--positions", action=argparse.BooleanOptionalAction, default=True,
+                   help="unplanned time lost for every victim position (each node but the batch host)")
     p.add_argument("--sizes-mib", default="256,1024,2048,4096",
                    help="extra state per rank for pause vs size (MiB; a size that does not fit in memory is skipped)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="baseline checkpoint interval in steps")

@@ -115,10 +115,12 @@ def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> N
 @click.option("--step-sleep", default=drillmod.DrillSettings.step_sleep, show_default=True,
               help="Extra seconds per step (simulated compute), so the job outlasts the migration.")
 @click.option("--timeout", default=drillmod.DrillSettings.timeout, show_default=True, help="Seconds per wait.")
+@click.option("--victim", default=0, show_default=True,
+              help="Which node fails: the job's Nth node besides its batch host (1-based); 0: the last.")
 @_json_option
 @click.pass_context
 def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, step_sleep: float, timeout: float,
-          as_json: bool) -> None:
+          victim: int, as_json: bool) -> None:
     """Validate the installation: run the example job, make one of its nodes fail, and check the
     job went on with nothing lost, bit-identical to a run without a failure, and ended COMPLETED.
 
@@ -129,7 +131,8 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, ste
     unplanned            kill -9 a node; its rank is rebuilt from a replica, the step replayed
     unplanned-cut        cut a node's network instead of killing it"""
     cfg = _config(ctx)
-    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, steps=steps, step_sleep=step_sleep, timeout=timeout)
+    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, steps=steps, step_sleep=step_sleep, timeout=timeout,
+                                      victim=victim)
     try:
         rep = drillmod.run(cfg, mode, settings, say=(lambda _: None) if as_json else click.echo)
     except TorchPassError as exc:

@@ -44,6 +44,7 @@ class DrillSettings:
     rdzv_port: int = 29500
     timeout: float = 600.0
     state_mib: int = 0  # extra state per rank carried by save/load (bench recovery: pause vs state size)
+    victim: int = 0  # which node fails: the job's Nth node that is not the batch host (1-based); 0: the last
 
 
 class Drill:
@@ -152,7 +153,11 @@ class Drill:
             return job if len(workers) == self.s.nodes * self.s.nproc \
                 and min(w["step"] for w in workers) >= self.s.warmup_steps else None
         job = self._wait("every rank to train", ready)
-        victim = [n for n in job["nodes"] if n != job["batch_host"]][-1]
+        others = [n for n in job["nodes"] if n != job["batch_host"]]
+        if self.s.victim > len(others):
+            raise MigrationError(f"--victim {self.s.victim}: the job has {len(others)} nodes besides its batch host",
+                                 job=self.report.job_id, hint=f"pick 1..{len(others)}")
+        victim = others[self.s.victim - 1] if self.s.victim else others[-1]
         self.report.moved_ranks = sorted(w["rank"] for w in job["launchpads"][victim]["workers"])
         self._note(f"training on {', '.join(job['nodes'])}; ranks {self.report.moved_ranks} run on {victim}")
         return victim, self.report.moved_ranks[0]

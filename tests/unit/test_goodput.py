@@ -142,3 +142,17 @@ def test_recovery_plot_and_outputs_from_a_saved_result(tmp_path: Path) -> None:
     assert Path(res["plot"]).read_bytes()[:4] == b"\x89PNG"
     assert "pause_over_floor 0.25 GiB" in Path(res["markdown"]).read_text()
     assert res["restart_over_pause"]["planned-aware"] == 360.0
+
+
+def test_unplanned_time_lost_is_reported_for_every_victim_position_beside_the_collective_timeout() -> None:
+    timeline = [{"phase": "detected", "seconds": 0.0}, {"phase": "spare_chosen", "seconds": 0.5},
+                {"phase": "resumed", "seconds": 2.0}]
+    raw = {"baseline": {"step_s": 0.2}, "collective_timeout_s": 30.0, "positions": {
+        "1": {"mode": "unplanned-aware", "pause_s": 3.0, "detect_s": 0.5, "timeline": timeline, "lost_steps": 0},
+        "2": {"not_available": "not available: the unplanned drill measured no pause (x)"}}}
+    res = recovery.summarise(raw)
+    assert res["unplanned_by_position"]["1"] == {"time_lost_s": 3.0, "detect_s": 0.5, "note": None}  # 0.5 + 0.5 + 2
+    assert res["unplanned_by_position"]["2"]["time_lost_s"] is None
+    table = recovery.markdown({**res, "raw": raw})
+    assert "node 1 of the job killed | 3 s (detected in 0.5 s; collective timeout 30 s)" in table
+    assert "node 2 of the job killed | not available" in table
