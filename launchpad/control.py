@@ -62,7 +62,8 @@ class ControlPlane:
         await self.client.__aenter__()
         await self.client.subscribe(protocol.cmd_topic(self.job, self.node))
         await self.telemetry.__aenter__()
-        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._commands())]
+        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._commands()),
+                       asyncio.create_task(self.links.run())]
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -3,16 +3,16 @@ interface (loopback aside) whether it has carrier, its operational state and its
 counters, and for each InfiniBand port its state and physical state. Interfaces are read through
 netlink (``ip -j -s link``), which shows the launchpad's own network namespace (sysfs shows the
 host's unless remounted: a container's or the dev cluster's nodes' view would be wrong);
-InfiniBand ports from sysfs (not namespaced). Read at most every READ_EVERY_S, sent when it
-changed and every REFRESH_BEATS heartbeats anyway. It only reports: what a link going down means
+InfiniBand ports from sysfs (not namespaced). Read every READ_EVERY_S off the event loop, sent
+when it changed and every REFRESH_BEATS heartbeats anyway. It only reports: what a link going down means
 for the job is torchpassd's to decide."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,19 +78,26 @@ def ib_ports(root: Path = INFINIBAND) -> dict[str, dict[str, Any]]:
 
 class LinkWatch:
     """The links part of each heartbeat (``{}`` when nothing changed since the last one sent).
-    ``read_ip`` and ``infiniband`` are where the links are read from (tests stage them)."""
+    ``run()`` reads the links every READ_EVERY_S in a thread (``ip`` is a subprocess: never on the
+    event loop's heartbeat path); ``heartbeat_part()`` only reports the last reading. ``read_ip``
+    and ``infiniband`` are where the links are read from (tests stage them)."""
 
-    def __init__(self, read_ip: Callable[[], str] = ip_links, infiniband: Path = INFINIBAND,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.read_ip, self.infiniband, self.clock = read_ip, infiniband, clock
+    def __init__(self, read_ip: Callable[[], str] = ip_links, infiniband: Path = INFINIBAND) -> None:
+        self.read_ip, self.infiniband = read_ip, infiniband
         self._now: dict[str, dict[str, Any]] = {}
-        self._read_at = -READ_EVERY_S
         self._sent: dict[str, dict[str, Any]] | None = None
         self._beats = 0
 
+    def refresh(self) -> None:
+        """Read the links now (blocking: a subprocess and sysfs)."""
+        self._now = {**interfaces(self.read_ip()), **ib_ports(self.infiniband)}
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.to_thread(self.refresh)
+            await asyncio.sleep(READ_EVERY_S)
+
     def heartbeat_part(self) -> dict[str, Any]:
-        if self.clock() - self._read_at >= READ_EVERY_S:
-            self._now, self._read_at = {**interfaces(self.read_ip()), **ib_ports(self.infiniband)}, self.clock()
         self._beats += 1
         if self._now == self._sent and self._beats < REFRESH_BEATS:
             return {}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 from launchpad.telemetry import links
@@ -37,8 +39,8 @@ def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
     port.mkdir(parents=True)
     (port / "state").write_text("4: ACTIVE\n")
     (port / "phys_state").write_text("5: LinkUp\n")
-    clock = [0.0]
-    watch = LinkWatch(lambda: json.dumps(table), tmp_path, clock=lambda: clock[0])
+    watch = LinkWatch(lambda: json.dumps(table), tmp_path)
+    watch.refresh()
     first = watch.heartbeat_part()["links"]
     assert first["mlx5_0/1"] == {"state": "ACTIVE", "phys_state": "LinkUp"} and "lo" not in first
     assert first["ib0"] == {"carrier": True, "operstate": "UP", "rx_errors": 0, "tx_errors": 0, "rx_dropped": 0,
@@ -46,9 +48,8 @@ def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
     assert watch.heartbeat_part() == {}  # nothing changed
     table[1] = ip_entry("ib0", up=False, rx_errors=17)
     (port / "state").write_text("1: DOWN\n")
-    clock[0] = 1.0
-    assert watch.heartbeat_part() == {}  # read again only every READ_EVERY_S
-    clock[0] = links.READ_EVERY_S
+    assert watch.heartbeat_part() == {}  # reported as last read: read again only by the reading task
+    watch.refresh()
     now = watch.heartbeat_part()["links"]
     assert now["ib0"]["carrier"] is False and now["ib0"]["operstate"] == "LOWERLAYERDOWN" and now["ib0"]["rx_errors"] == 17
     assert now["mlx5_0/1"]["state"] == "DOWN" and now["eth1"] == first["eth1"]
@@ -59,7 +60,9 @@ def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
 
 def test_unreadable_links_give_an_empty_report_not_a_broken_heartbeat(tmp_path: Path) -> None:
     for garbage in ("not json", "{}", '[{"ifname": 3}, 5, {"ifname": "x", "stats64": "?"}]'):
-        got = LinkWatch(lambda g=garbage: g, tmp_path / "none").heartbeat_part()["links"]
+        watch = LinkWatch(lambda g=garbage: g, tmp_path / "none")
+        watch.refresh()
+        got = watch.heartbeat_part()["links"]
         assert set(got) <= {"x"} and all(v["rx_errors"] is None for v in got.values())
 
 
@@ -72,3 +75,26 @@ def test_torchpassd_keeps_the_last_links_a_launchpad_reported() -> None:
             await registry.on_message("n2", protocol.decode(protocol.encode(protocol.HEARTBEAT, job="4", gen=1, body=b)))
     asyncio.run(feed())
     assert registry.job("4").describe()["launchpads"]["n2"]["links"] == body["links"]
+
+
+def test_links_are_read_in_the_background_not_on_the_heartbeat_path(tmp_path: Path) -> None:
+    reads: list[str] = []
+
+    def slow_ip() -> str:
+        reads.append(threading.current_thread().name)
+        time.sleep(0.3)  # ip stuck for a moment: heartbeats must not wait for it
+        return json.dumps([ip_entry("eth0", up=True)])
+
+    async def go() -> tuple[float, dict]:
+        watch = LinkWatch(slow_ip, tmp_path / "none")
+        task = asyncio.create_task(watch.run())
+        t0 = time.monotonic()
+        first = watch.heartbeat_part()
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.5)
+        task.cancel()
+        return took, {"first": first, "later": watch.heartbeat_part()}
+    took, parts = asyncio.run(go())
+    assert took < 0.05 and parts["first"] == {"links": {}}
+    assert parts["later"]["links"]["eth0"]["carrier"] is True
+    assert reads and all(name != threading.main_thread().name for name in reads)
