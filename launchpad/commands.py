@@ -250,16 +250,24 @@ class Commands:
         return {}
 
     async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Start a worker that joins as ``rank``; acked once it has connected to the channel."""
-        rank, world = _int_arg(args, "rank"), _int_arg(args, "world_size", self.agent.world_size)
-        source = _wormhole_end(args.get("source"), ac.SOURCE_KEYS, "start_joiner's 'source'")
+        """Start a worker that joins as ``rank`` (with ``joiners``, a list of {rank, source}: one per
+        entry, side by side); acked once they have connected to the channel."""
+        world = _int_arg(args, "world_size", self.agent.world_size)
+        raw = args.get("joiners", [{"rank": args.get("rank"), "source": args.get("source")}])
+        if not isinstance(raw, list) or not raw or not all(isinstance(j, dict) for j in raw):
+            raise ProtocolError(f"start_joiner's 'joiners' must be a non-empty list of {{rank, source}} maps, got {raw!r}")
+        joiners = [(_int_arg(j, "rank"), _wormhole_end(j.get("source"), ac.SOURCE_KEYS, "start_joiner's 'source'"))
+                   for j in raw]  # every entry checked before any worker starts
         group = self.agent.group
         if group is None:
             raise WorkerError("no worker group to add a joiner to", node=self.agent.node)
-        w = await group.add_joiner(rank, world, source)
-        self.joiners.setdefault(migration, []).append(w.pid)
-        await self.agent.channel.wait_for([w.pid], self.agent.timeouts.reform)
-        return {"pid": w.pid}
+        pids = []
+        for rank, source in joiners:
+            w = await group.add_joiner(rank, world, source)
+            self.joiners.setdefault(migration, []).append(w.pid)
+            pids.append(w.pid)
+        await self.agent.channel.wait_for(pids, self.agent.timeouts.reform)
+        return {"pid": pids[0], "pids": pids}
 
     async def abort(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Give up ``migration``: stop the joiners it started, resume paused workers in the

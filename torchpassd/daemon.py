@@ -124,16 +124,18 @@ class Orchestrator:
                 or mig.plan.source == death.node or not mig.before_hand_over()
                 or (isinstance(mig, transparent.TransparentMigration) and mig.plan.paused_step >= 0)):
             return
-        self._spawn(death.job, self._preempt(task, mig, death.node))
+        self._spawn(death.job, self._preempt(task, mig, death))
 
-    async def _preempt(self, task: asyncio.Task[None], mig: planned.PlannedMigration, dead: str) -> None:
+    async def _preempt(self, task: asyncio.Task[None], mig: planned.PlannedMigration, death: Death) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         p = mig.plan
-        p.survivors = [n for n in p.survivors if n != dead]
-        self.log.warning("migration.preempted", job=p.job, migration=mig.id, dead=dead, phase=mig.last_phase)
-        await mig.roll_back(f"{dead} died during the migration off {p.source}, before the hand-over: the job "
+        if not death.in_place:  # a node whose workers crashed lives: its other ranks are resumed like any
+            p.survivors = [n for n in p.survivors if n != death.node]
+        what = f"ranks {list(death.ranks)} crashed on {death.node}" if death.in_place else f"{death.node} died"
+        self.log.warning("migration.preempted", job=p.job, migration=mig.id, dead=death.node, phase=mig.last_phase)
+        await mig.roll_back(f"{what} during the migration off {p.source}, before the hand-over: the job "
                             f"recovers from that first, then the move off {p.source} is tried again")
 
     def request(self, job: str, node: str, reason: str) -> None:

@@ -283,10 +283,9 @@ class UnplannedRecovery(Flow):
         seat["target_addr"] = (nodes[death.node].addr if death.node in nodes else "") or death.node
         p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
         ports = [joiner_port(p.port, i) for i in range(len(death.ranks))]
-        for rank, port in zip(death.ranks, ports, strict=True):
-            await self.send(death.node, "start_joiner", p.gen, {
-                "rank": rank, "world_size": p.world_size,
-                "source": {"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()}}, timeout=self.t.reform)
+        await self.send(death.node, "start_joiner", p.gen, {"world_size": p.world_size, "joiners": [
+            {"rank": rank, "source": {"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()}}
+            for rank, port in zip(death.ranks, ports, strict=True)]}, timeout=self.t.reform)
         await self._wait_receiver(None, death.node, seat["target_addr"], ports, "")
         await self.phase(JOINER_READY, node=death.node, ranks=list(death.ranks), in_place=True)
 

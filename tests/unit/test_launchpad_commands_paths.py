@@ -56,3 +56,12 @@ def test_wormhole_ends_pass_the_check_and_incomplete_ones_are_named():
         run(commands().save, {"rank": 1, "dest": {"host": "127.0.0.1"}})
     with pytest.raises(ProtocolError, match=r"must be a wormhole end \{listen_host, port, token\}"):
         run(commands().start_joiner, {"rank": 1, "source": DEST})
+
+
+@pytest.mark.security
+def test_a_list_of_joiners_is_refused_whole_when_one_source_carries_a_path():
+    joiners = [{"rank": 1, "source": SOURCE}, {"rank": 3, "source": {**SOURCE, "path": "/tmp/rank3.state"}}]
+    with pytest.raises(ProtocolError, match="start_joiner's 'source' is refused: it carries a filesystem path"):
+        run(commands().start_joiner, {"joiners": joiners})
+    with pytest.raises(ProtocolError, match="'joiners' must be a non-empty list"):
+        run(commands().start_joiner, {"joiners": []})

@@ -613,8 +613,9 @@ def test_a_crashed_rank_is_rebuilt_in_place_on_its_live_node_without_a_spare(tmp
     assert status == jn.SUCCEEDED, w.journal.history()[0].error
     assert not w.slurm.added and not w.slurm.evicted and not w.slurm.released and w.slurm.free == ["n5"]
     [(node, joiner)] = [(n, a) for n, c, _, a in w.commander.sent if c == "start_joiner"]
-    assert node == "n3" and joiner["rank"] == 2 and joiner["world_size"] == 4
-    assert joiner["source"]["port"] == w.port and len(joiner["source"]["token"]) == 64
+    [one] = joiner["joiners"]
+    assert node == "n3" and one["rank"] == 2 and joiner["world_size"] == 4
+    assert one["source"]["port"] == w.port and len(one["source"]["token"]) == 64
     recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
     assert set(recover) == {"n1", "n2", "n4"}  # n3's only rank is the one being rebuilt
     donations = {d["rank"]: (n, d) for n, a in recover.items() for d in _listed(a.get("donate"))}
