@@ -167,10 +167,12 @@ def plot(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
-class _Daemon:
-    """torchpassd for the dev cluster, started and stopped by PID, its files in ``workdir``."""
+class DrillDaemon:
+    """torchpassd for the dev cluster, started and stopped by PID, its files in ``workdir``; the
+    torchpassd of ``bindir`` (default: this interpreter's) with ``env`` over the cluster's."""
 
-    def __init__(self, cluster: Any, workdir: Path) -> None:
+    def __init__(self, cluster: Any, workdir: Path, bindir: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         from torchpass_common import config
         from torchpassd.ctl_client import DaemonClient
 
@@ -181,8 +183,9 @@ class _Daemon:
         self.cfg = config.load(str(path))
         self.client = DaemonClient(workdir / "tpd.sock", timeout=30)
         with open(workdir / "torchpassd.log", "ab") as out:
-            self.proc = subprocess.Popen([str(Path(sys.executable).parent / "torchpassd"), "--config", str(path)],
-                                         stdout=out, stderr=subprocess.STDOUT, env=cluster.slurm_env)
+            self.proc = subprocess.Popen([str((bindir or Path(sys.executable).parent) / "torchpassd"), "--config",
+                                          str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                         env={**cluster.slurm_env, **(env or {})}, cwd=workdir)
         deadline = time.monotonic() + 60
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -222,7 +225,7 @@ def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, 
     settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0, victim=victim)
     _say(f"[recovery] drill {mode}, {nproc} rank(s) a node" +
          (f", {state_mib} MiB extra state per rank" if state_mib else ""))
-    daemon = _Daemon(cluster, work)
+    daemon = DrillDaemon(cluster, work)
     try:
         rep = drillmod.run(daemon.cfg, mode, settings, say=_say)
         for m in daemon.client.call("history", job=rep["job_id"]) if rep.get("job_id") else []:

@@ -3,7 +3,7 @@ watch, journal and decision code) behind a real private mosquitto, with a SIMULA
 (bench/_simcluster.py; default 64 racks x 18 trays = 1,152 nodes, 2 spares per rack) standing in for
 slurmctld. Every job node runs a simulated launchpad (its own MQTT connection, retained online state,
 Last Will, a heartbeat per timeouts.heartbeat_interval with its rank's step, GPU telemetry replayed
-from contrib/health/stable.json). Measures torchpassd's CPU in steady state and, for drains of nodes
+from torchpassd/drill_jobs/health/stable.json). Measures torchpassd's CPU in steady state and, for drains of nodes
 in different jobs, the decision latency (drain seen -> spare chosen, from the journal)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bench._simcluster import RefusingRunner, SimulatedSlurm, Topology, write_dr
 from torchpass_common.errors import TorchPassError
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORDING = ROOT / "contrib" / "health" / "stable.json"
+RECORDING = ROOT / "torchpassd" / "drill_jobs" / "health" / "stable.json"
 START_TIMEOUT = 240.0
 DECISION_TIMEOUT = 30.0
 

@@ -23,7 +23,8 @@ from torchpassd import drill_gpu, drill_transparent, drill_unplanned
 from torchpassd.ctl_client import DaemonClient
 from torchpassd.drill_report import DrillReport, compare
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_train.py"
+JOBS = Path(__file__).resolve().parent / "drill_jobs"  # shipped in the wheel: scripts the drills run, not modules
+EXAMPLE = JOBS / "ddp_train.py"
 MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplanned.MODES)
 POLL = 0.5
 

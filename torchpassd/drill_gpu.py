@@ -1,6 +1,6 @@
 """What ``torchpassctl drill --mode gpu-degrade`` adds to the planned-aware drill: once the job
 trains, torchpassd tells the launchpad on the job's last node (never the batch host) to replay
-contrib/health/degrading.json instead of sampling its GPUs (the FAKE NVML: corrected ECC climbing,
+torchpassd/drill_jobs/health/degrading.json instead of sampling its GPUs (the FAKE NVML: corrected ECC climbing,
 then XID 79, then the GPU lost; torchpassd's ``health_replay``, fault injection for drills); the
 training runs long enough for the replay to reach the XID, and the drill waits for torchpassd's
 health policy to drain a node of the job instead of draining one itself, reporting the drain
@@ -16,7 +16,7 @@ from torchpass_common.config import Config
 from torchpassd.ctl_client import DaemonClient
 
 MODE = "gpu-degrade"
-RECORDING = Path(__file__).resolve().parents[1] / "contrib" / "health" / "degrading.json"
+RECORDING = Path(__file__).resolve().parent / "drill_jobs" / "health" / "degrading.json"
 MIGRATION_MARGIN_S = 30.0  # training still running this long after the XID, for the migration
 
 

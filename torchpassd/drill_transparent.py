@@ -1,5 +1,5 @@
 """What ``torchpassctl drill --mode planned-transparent`` changes in the planned-aware drill: the job is
-submitted with ``--torchpass=transparent`` and trains contrib/examples/ddp_tutorial.py, a DDP
+submitted with ``--torchpass=transparent`` and trains torchpassd/drill_jobs/ddp_tutorial.py, a DDP
 tutorial-style script with no TorchPass code, so the drained node's rank can only move as a whole
 process (criu, torchpassd/transparent.py). The reference run and the comparison are the drill's own."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 MODE = "planned-transparent"
-SCRIPT = Path(__file__).resolve().parents[1] / "contrib" / "examples" / "ddp_tutorial.py"
+SCRIPT = Path(__file__).resolve().parent / "drill_jobs" / "ddp_tutorial.py"
 SBATCH_MODE = "transparent"
 MOVE_KEYS = ("dump_s", "frozen_s", "transfer_s", "restore_s", "image_bytes", "page_bytes")
 

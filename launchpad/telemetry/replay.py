@@ -1,4 +1,4 @@
-"""A FAKE NVML backend that replays a recorded counter sequence (contrib/health/*.json, or what
+"""A FAKE NVML backend that replays a recorded counter sequence (torchpassd/drill_jobs/health/*.json, or what
 contrib/gpu-check recorded on a real GPU). Used only by tests and by drills: these machines have
 no GPU. Each sample moves one recorded step forward and the sample time advances by the
 recording's interval, so a replay is deterministic however fast it is played.
@@ -49,7 +49,7 @@ class ReplayBackend:
             rec = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise TelemetryError(f"cannot read the GPU recording {path}: {exc}",
-                                 hint="point TORCHPASS_HEALTH_REPLAY at a file like contrib/health/degrading.json") from exc
+                                 hint="point TORCHPASS_HEALTH_REPLAY at a file like torchpassd/drill_jobs/health/degrading.json") from exc
         return cls.validated(rec, str(path), start=start)
 
     @classmethod

@@ -28,7 +28,7 @@ from torchpassd.broker_auth import BrokerAdmin
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.security, pytest.mark.slow]
 STEPS, STEP_SLEEP = 200, 0.25
-HEALTH = ROOT / "contrib" / "health"
+HEALTH = ROOT / "torchpassd" / "drill_jobs" / "health"
 
 
 def test_job_trains_and_migrates_with_its_own_broker_account(torchpassd: Daemon, devcluster: DevCluster,

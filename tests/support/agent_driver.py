@@ -37,7 +37,7 @@ args = ap.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 '''
-EXAMPLE = ROOT / "contrib" / "examples" / "ddp_train.py"
+EXAMPLE = ROOT / "torchpassd" / "drill_jobs" / "ddp_train.py"
 WAIT = 90.0  # upper bound for any single wait; a healthy run needs a few seconds
 
 

@@ -22,7 +22,7 @@ from torchpassd.health_watch import HealthWatch
 from torchpassd.journal import Journal
 from torchpassd.metrics import Metrics
 
-HEALTH = Path(__file__).resolve().parents[2] / "contrib" / "health"
+HEALTH = Path(__file__).resolve().parents[2] / "torchpassd" / "drill_jobs" / "health"
 
 
 def replay(name: str, cfg: HealthConfig, samples: int = 40) -> list[Decision | None]:

@@ -25,7 +25,7 @@ from torchpassd.report_gate import ReportGate
 pytestmark = pytest.mark.security
 
 MARK = "torchpass:mode=aware,spares=0"
-HEALTH = Path(__file__).resolve().parents[2] / "contrib" / "health"
+HEALTH = Path(__file__).resolve().parents[2] / "torchpassd" / "drill_jobs" / "health"
 
 
 def snap(*jobs: Job) -> Snapshot:

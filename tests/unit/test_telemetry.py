@@ -24,7 +24,7 @@ from torchpass_common import log
 from torchpass_common.config import HealthConfig
 from torchpass_common.errors import TorchPassError
 
-HEALTH = Path(__file__).resolve().parents[2] / "contrib" / "health"
+HEALTH = Path(__file__).resolve().parents[2] / "torchpassd" / "drill_jobs" / "health"
 
 
 def _has_nvml() -> bool:
@@ -226,7 +226,7 @@ def test_the_gpu_check_script_records_a_replayable_sequence(tmp_path: Path) -> N
     import subprocess
     import sys
 
-    script = HEALTH.parent / "gpu-check" / "gpu_check.py"
+    script = Path(__file__).resolve().parents[2] / "contrib" / "gpu-check" / "gpu_check.py"
     out = tmp_path / "check.json"
     env = {**os.environ, REPLAY_ENV: str(HEALTH / "degrading.json")}
     proc = subprocess.run([sys.executable, str(script), "--samples", "16", "--interval", "0", "--out", str(out)],

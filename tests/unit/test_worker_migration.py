@@ -1,4 +1,4 @@
-"""Real multi-process gloo training of contrib/examples/ddp_train.py (default DDP arguments) under
+"""Real multi-process gloo training of torchpassd/drill_jobs/ddp_train.py (default DDP arguments) under
 the torchpass bootstrap, driven over the real agent channel by a small test-only driver that plays
 launchpad's side: pause at one step, re-form as generation 2, resume, and replacing one rank by a
 new process. Every run must be bit-identical (losses and final parameters) to a plain gloo run."""
