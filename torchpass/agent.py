@@ -50,7 +50,7 @@ class Agent:
         self._wake = False  # set by the reader thread; the only thing a step boundary checks
         self._pause: dict[str, Any] | None = None
         self._gone = False
-        self._log = log.get(rank=rank)
+        self.log = log.get(rank=rank)
         self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
         self._reported: tuple[float, bool] = (-REPORT_EVERY_S, False)  # (when, registered) of the last report
         self.recovering = False  # from an interruption until the resume: an exit then is a failure
@@ -70,13 +70,13 @@ class Agent:
             try:
                 msg = self.chan.recv()
             except (OSError, TorchPassError) as e:
-                self._log.error("agent.read_failed", error=str(e))
+                self.log.error("agent.read_failed", error=str(e))
                 msg = None
             if msg is not None and msg["t"] == ac.SEVER:
                 self._sever(str(msg.get("reason") or "a peer of this job was lost"))
                 continue
             if msg is not None and msg["t"] == ac.PING:
-                self._send(ac.message(ac.PONG))
+                self.send(ac.message(ac.PONG))
                 continue
             self._commands.put(msg if msg is not None else _GONE)
             self._wake = True
@@ -90,20 +90,20 @@ class Agent:
         is formed."""
         group = default_group.group()
         if group is None or group.local or self.recovering:
-            self._log.info("agent.sever_ignored", reason=reason, recovering=self.recovering)
+            self.log.info("agent.sever_ignored", reason=reason, recovering=self.recovering)
             return
         cut = group.sever(reason)
-        self._log.warning("agent.severed", gen=group.gen, step=steps.current(), connections=cut, reason=reason)
+        self.log.warning("agent.severed", gen=group.gen, step=steps.current(), connections=cut, reason=reason)
 
     # -- running ---------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any]) -> None:
         """Send to launchpad; if it is gone, note it and carry on training."""
         if self._gone:
             return
         try:
             self.chan.send(msg)
         except OSError as e:
-            self._log.error("agent.send_failed", error=str(e), kind=msg["t"])
+            self.log.error("agent.send_failed", error=str(e), kind=msg["t"])
             self._agent_gone()
 
     def _on_boundary(self, step: int) -> None:
@@ -116,7 +116,7 @@ class Agent:
             report = {"t": ac.STEP, "step": step, "registered": registered}
             if not self._layout_sent:  # once: which ranks hold this rank's state (torchpassd's donors)
                 self._layout_sent, report["replicas"] = True, self._replicas()
-            self._send(report)
+            self.send(report)
         if self._wake:
             self._serve_running(step)
 
@@ -125,7 +125,7 @@ class Agent:
         try:
             return layout.replicas(self.rank)
         except Exception as exc:  # an odd mesh or group must not cost a training step
-            self._log.warning("agent.layout_unknown", error=repr(exc))
+            self.log.warning("agent.layout_unknown", error=repr(exc))
             return None
 
     def _serve_running(self, step: int) -> None:
@@ -142,14 +142,14 @@ class Agent:
             elif msg is _GONE:
                 self._agent_gone()
             else:
-                self._error(f"{msg['t']} received while running; only pause and exit are valid then")
+                self.error(f"{msg['t']} received while running; only pause and exit are valid then")
         if self._pause is not None:
             self._wake = True  # keep checking every boundary until the pause step
             gen, at_step = self._pause["gen"], self._pause["at_step"]
             if step > at_step:
                 self._pause = None
-                self._send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
-                self._log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
+                self.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
+                self.log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
             elif step == at_step:
                 self._pause = None
                 self._wake = not self._commands.empty()
@@ -187,13 +187,13 @@ class Agent:
         for h in handles:
             h.remove()
         self._armed, self._forwardless = None, True
-        self._send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
-        self._log.warning("agent.pause_missed", gen=gen, step=step, why="a step ran without any module forward")
+        self.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
+        self.log.warning("agent.pause_missed", gen=gen, step=step, why="a step ran without any module forward")
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()
-        self._send(ac.message(ac.PAUSED, gen=gen, step=step))
-        self._log.info("agent.paused", gen=gen, step=step)
+        self.send(ac.message(ac.PAUSED, gen=gen, step=step))
+        self.log.info("agent.paused", gen=gen, step=step)
         self.park()
 
     # -- parked ----------------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Agent:
                 if self._on_parked(msg):
                     return
             except Exception as e:  # user save() or a collective failed: report it, stay parked
-                self._error(f"{msg['t']} failed: {e}")
+                self.error(f"{msg['t']} failed: {e}")
 
     def _on_parked(self, msg: dict[str, Any]) -> bool:
         kind, step = msg["t"], steps.current()
@@ -226,8 +226,8 @@ class Agent:
             self._reform(msg)
         elif kind == ac.RESUME:
             self.recovering = False
-            self._send(ac.message(ac.RESUMED, gen=msg["gen"]))
-            self._log.info("agent.resumed", gen=msg["gen"], step=step)
+            self.send(ac.message(ac.RESUMED, gen=msg["gen"]))
+            self.log.info("agent.resumed", gen=msg["gen"], step=step)
             self._wake = not self._commands.empty()
             return True
         elif kind == ac.EXIT:
@@ -239,7 +239,7 @@ class Agent:
             return True
         elif kind == ac.PAUSE:
             reply = ac.PAUSED if msg["at_step"] == step else ac.PAUSE_MISSED
-            self._send(ac.message(reply, gen=msg["gen"], step=step))
+            self.send(ac.message(reply, gen=msg["gen"], step=step))
         return False
 
     def _save(self, dest: dict[str, Any]) -> None:
@@ -252,8 +252,8 @@ class Agent:
         rec = self.capture(steps.current())
         size = handover.send(rec, dest, rank=self.rank)
         seconds = time.perf_counter() - t0
-        self._send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
-        self._log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
+        self.send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
+        self.log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
 
     def capture(self, step: int) -> dict[str, Any]:
         """The hand-over record of this rank after ``step``: its save() state, DDP's bucket layout
@@ -271,26 +271,42 @@ class Agent:
             store = dist.TCPStore(msg["store_host"], msg["store_port"], is_master=False,
                                   timeout=timedelta(seconds=self.timeouts.reform), wait_for_workers=False)
             group.reconfigure(gen, msg["rank"], msg["world_size"], store, msg["prefix"])
-            self._log.info("agent.reformed", gen=gen, seconds=round(time.perf_counter() - t0, 4))
-        self._send(ac.message(ac.REFORMED, gen=gen))
+            self.log.info("agent.reformed", gen=gen, seconds=round(time.perf_counter() - t0, 4))
+        self.send(ac.message(ac.REFORMED, gen=gen))
 
     def _exit(self) -> None:
         """Leave the job: this rank's state has been handed over (or the job is ending). The
         process ends at once: tearing down DDP and a communicator whose peers moved on can hang."""
-        self._log.info("agent.exit", step=steps.current())
+        self.log.info("agent.exit", step=steps.current())
         self.chan.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(recovery.EXIT_INTERRUPTED if self.recovering else 0)  # a recovery given up: the job failed
 
+    def drop_pause(self) -> None:
+        """Forget a pause launchpad asked for: the rank was interrupted before reaching its step."""
+        self._pause = None
+
+    def next_command(self, deadline: float) -> dict[str, Any]:
+        """The next command from launchpad (``{"t": "_agent_gone"}`` once it closed the channel);
+        queue.Empty at ``deadline`` (time.monotonic())."""
+        return self._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+
+    def reconnect(self, chan: ac.SyncChannel) -> None:
+        """Talk to launchpad through ``chan`` from now on (a worker criu restored elsewhere): hello
+        again and a new reader thread."""
+        self.chan, self._gone = chan, False
+        self.start()
+
     def _agent_gone(self) -> None:
         if not self._gone:
             self._gone = True
-            self._log.warning("agent.gone", step=steps.current())
+            self.log.warning("agent.gone", step=steps.current())
 
-    def _error(self, text: str) -> None:
-        self._log.error("agent.command_failed", error=text, step=steps.current())
-        self._send(ac.message(ac.ERROR, msg=text))
+    def error(self, text: str) -> None:
+        """Report a failed command to launchpad (and the log); the rank carries on."""
+        self.log.error("agent.command_failed", error=text, step=steps.current())
+        self.send(ac.message(ac.ERROR, msg=text))
 
     # -- joining ---------------------------------------------------------------------------
     def join(self) -> None:
@@ -312,10 +328,10 @@ class Agent:
                 break
             except Exception as exc:
                 if rejoin is None:
-                    self._error(f"receiving the state failed: {exc}")  # the migration's reason
+                    self.error(f"receiving the state failed: {exc}")  # the migration's reason
                     raise
                 # a survivor whose donor's stream broke keeps its own state and waits for a new recover
-                self._error(f"loading the donor's state failed: {exc}; this rank keeps its own state "
+                self.error(f"loading the donor's state failed: {exc}; this rank keeps its own state "
                             f"(step {rejoin.step}), send recover again")
                 rejoin = recovery.wait_for_recover(self, rejoin.own, rejoin.step, rejoin.gen, str(exc))
                 source = rejoin.source
@@ -324,10 +340,10 @@ class Agent:
             try:
                 adopted = group_identity.reconcile(group, meta.get("groups", []), rank=self.rank)
             except WorkerError as exc:
-                self._error(str(exc))  # the migration's reason; then the script fails here
+                self.error(str(exc))  # the migration's reason; then the script fails here
                 raise
             if adopted:
-                self._log.info("agent.groups_adopted", names=adopted)
+                self.log.info("agent.groups_adopted", names=adopted)
         if handover.has_local_shards(user):
             user = handover.sharded_like(user, own if own is not None else self.save_fn(), rank=self.rank)
         ddp_layout.replay(group, meta["ddp"])
@@ -335,8 +351,8 @@ class Agent:
         steps.restore(meta["step"])
         extra = {"bytes": rejoin.donated_bytes, "seconds": rejoin.donated_seconds} if rejoin else {}
         self.rejoin = None  # the own state of a survivor is loaded; drop it (it holds the old model)
-        self._send(ac.message(ac.JOINED, step=meta["step"], **extra))
-        self._log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4),
+        self.send(ac.message(ac.JOINED, step=meta["step"], **extra))
+        self.log.info("agent.joined", step=meta["step"], seconds=round(time.perf_counter() - t0, 4),
                        recovered=rejoin is not None)
         del rec, rejoin, source, own, user
         self.park()
@@ -346,12 +362,12 @@ class Agent:
         state ({"record": ...}) or its donor's (a survivor that lagged one step behind); and this
         rank's own save() state when it was taken here (the wormhole's receive template), else None."""
         if "record" in source:
-            self._send(ac.message(ac.READY))
+            self.send(ac.message(ac.READY))
             return source["record"], None
         assert self.save_fn is not None
         own = self.save_fn() if "token" in source else None
         incoming = handover.Incoming(source, rank=self.rank, template=None if own is None else handover.record(own, 0, []))
-        self._send(ac.message(ac.READY))
+        self.send(ac.message(ac.READY))
         return incoming.receive(self.timeouts.decision), own
 
 

@@ -46,15 +46,13 @@ def detach(agent: Any) -> None:
     if group is not None:
         group.release()
     step = steps.current()
-    agent._send(ac.message(ac.DETACHED, step=step))
+    agent.send(ac.message(ac.DETACHED, step=step))
     _wait_channel_closed(agent)
     agent.chan.close()
-    agent._log.info("agent.detached", step=step)
+    agent.log.info("agent.detached", step=step)
     path = _wait_reconnect(fd, agent.rank)
-    agent.chan = ac.SyncChannel.connect(path)
-    agent._gone = False
-    agent.start()  # hello again (with this node's PID), a new reader thread
-    agent._log.info("agent.reattached", step=step, socket=path, pid=host_pid())
+    agent.reconnect(ac.SyncChannel.connect(path))  # hello again (with this node's PID), a new reader thread
+    agent.log.info("agent.reattached", step=step, socket=path, pid=host_pid())
 
 
 def _wait_channel_closed(agent: Any) -> None:
@@ -63,7 +61,7 @@ def _wait_channel_closed(agent: Any) -> None:
     deadline = time.monotonic() + _CHANNEL_CLOSE_S
     while True:
         try:
-            msg = agent._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+            msg = agent.next_command(deadline)
         except queue.Empty:
             raise WorkerError(f"launchpad did not close the channel within {_CHANNEL_CLOSE_S:.0f} s of detached",
                               rank=agent.rank) from None

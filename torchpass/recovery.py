@@ -73,8 +73,8 @@ def interrupt(agent: Agent, exc: BaseException) -> Rejoin:
             error += f"; save() failed: {save_exc!r}"
     traceback.clear_frames(exc.__traceback__)  # the failed run's frames hold its model and graph
     _tear_down(group)
-    agent._pause = None
-    agent._log.warning("agent.interrupted", gen=gen, step=step, registered=own is not None, error=error)
+    agent.drop_pause()
+    agent.log.warning("agent.interrupted", gen=gen, step=step, registered=own is not None, error=error)
     return wait_for_recover(agent, own, step, gen, error)
 
 
@@ -96,10 +96,10 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
     report = True
     while True:
         if report:
-            agent._send(ac.message(ac.INTERRUPTED, gen=gen, step=step, registered=own is not None, error=error))
+            agent.send(ac.message(ac.INTERRUPTED, gen=gen, step=step, registered=own is not None, error=error))
             report = False
         try:
-            msg = agent._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+            msg = agent.next_command(deadline)
         except queue.Empty:
             raise WorkerError(f"interrupted {agent.timeouts.decision * 2:.0f} s without a recover",
                               hint="no orchestrator recovered the job; restart it from its last checkpoint",
@@ -108,16 +108,16 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
         if kind == "_agent_gone":
             raise WorkerError("launchpad went away while this rank was interrupted", rank=agent.rank, step=step)
         if kind == ac.EXIT:  # the job is given up: end as failed
-            agent._log.error("agent.exit_interrupted", step=step)
+            agent.log.error("agent.exit_interrupted", step=step)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_INTERRUPTED)
         if kind != ac.RECOVER:
-            agent._error(f"{kind} received while interrupted; only recover and exit are valid then")
+            agent.error(f"{kind} received while interrupted; only recover and exit are valid then")
             report = True
             continue
         if own is None:
-            agent._error("cannot recover: the script never called torchpass.register(save=..., load=...), "
+            agent.error("cannot recover: the script never called torchpass.register(save=..., load=...), "
                          "so this rank has no state to donate or reload; restart from the last checkpoint")
             report = True
             continue
@@ -125,18 +125,18 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
             try:
                 handover.check_source(msg["load_from"], rank=agent.rank)
             except WorkerError as exc:  # checked before donating: a refused command changes nothing
-                agent._error(f"recover refused: {exc}; this rank keeps its state, send recover again")
+                agent.error(f"recover refused: {exc}; this rank keeps its state, send recover again")
                 error, report = f"recover refused: {exc.message}", True
                 continue
         try:
             sent, seconds = donate(own, msg["donate"], rank=agent.rank, wait=agent.timeouts.reform)
         except Exception as exc:  # any failure: report, keep the state, wait again
-            agent._error(f"donating this rank's state (step {step}) failed: {exc}; it keeps its state, "
+            agent.error(f"donating this rank's state (step {step}) failed: {exc}; it keeps its state, "
                          "send recover again")
             error, report = f"donation failed: {exc}", True
             continue
         source = msg.get("load_from") or {"record": own}
-        agent._log.info("agent.recovering", gen=msg["gen"], step=step, load_from=sorted(source),
+        agent.log.info("agent.recovering", gen=msg["gen"], step=step, load_from=sorted(source),
                         donated=[d.get("to") for d in msg["donate"]], bytes=sent)
         return Rejoin(source, own, step, gen, sent, seconds)
 
