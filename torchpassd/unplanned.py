@@ -100,10 +100,10 @@ def choose_donor(steps: dict[str, int], rank_node: dict[int, str], *, where: dic
     return donor, laggards, c_max
 
 
-def interrupted_after(launchpads: dict[str, Any], survivors: list[str], decided_at: float) -> float | None:
-    """Seconds from the decision to the last survivor's interruption (launchpads' reports; 0 when
-    every survivor was interrupted before it), or None when a report lacks the time."""
-    times = [w.get("interrupted_at") for n in survivors for w in launchpads[n].workers]
+def interrupted_after(workers: list[dict[str, Any]], decided_at: float) -> float | None:
+    """Seconds from the decision to the last of the surviving ``workers``' interruptions (launchpads'
+    reports; 0 when every one was interrupted before it), or None when a report lacks the time."""
+    times = [w.get("interrupted_at") for w in workers]
     if not times or any(not isinstance(t, int | float) for t in times):
         return None
     return round(max(0.0, max(times) - decided_at), 3)
@@ -438,7 +438,9 @@ class UnplannedRecovery(Flow):
         p.steps = steps
         await self.phase(INTERRUPTED_ALL, steps=steps, resume_step=p.resume_step, donor=p.donor,
                          laggards=p.laggards, severed=p.severed,
-                         interrupted_after_s=interrupted_after(view.launchpads, p.survivors, self.detected_at))
+                         interrupted_after_s=interrupted_after(
+                             [w for n in p.survivors for w in self._members(view.launchpads[n].workers)],
+                             self.detected_at))
 
     def recover_args(self, addrs: dict[str, str]) -> dict[str, dict[str, Any]]:
         """The `recover` command for each survivor: donors stream each lost rank's state to its
