@@ -56,7 +56,8 @@ class StallWatch:
 
     async def sever(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """``lost``: the nodes torchpassd decided lost (for the workers' logs); ``stalled_s``: the
-        stall floor; ``watch_s``: how long to keep watching the workers still progressing."""
+        stall floor; ``watch_s``: how long to keep watching the workers still progressing; ``all``:
+        cut every worker now (a worker of the job surely died: no collective can complete)."""
         lost = args.get("lost") or []
         if not isinstance(lost, list) or not all(isinstance(n, str) for n in lost):
             raise ProtocolError(f"sever's 'lost' must be a list of node names, got {lost!r}")
@@ -64,7 +65,10 @@ class StallWatch:
         reason = f"torchpassd decided {', '.join(lost) or 'a peer node'} lost ({migration})"
         now = time.monotonic()
         links = self._candidates()
-        cut = [lk for lk in links if stalled(now, lk.step_at, lk.step_s, floor)]
+        everyone = args.get("all", False)
+        if not isinstance(everyone, bool):
+            raise ProtocolError(f"sever's 'all' must be true or false, got {everyone!r}")
+        cut = [lk for lk in links if everyone or stalled(now, lk.step_at, lk.step_s, floor)]
         await self._cut(cut, reason)
         progressing = [lk for lk in links if lk not in cut]
         if self._watch is not None:

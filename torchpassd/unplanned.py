@@ -163,8 +163,7 @@ class UnplannedRecovery(Flow):
         try:
             await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
                              evidence=p.evidence, failed_at=p.failed_at)
-            await asyncio.gather(self._sever_survivors([d.node for d in deaths if not d.in_place]),
-                                 self._seat_all(deaths))
+            await asyncio.gather(self._sever_survivors(deaths), self._seat_all(deaths))
             await self._wait_interrupted()
             await self._recover()
         except RanksAlive as exc:
@@ -185,16 +184,19 @@ class UnplannedRecovery(Flow):
         await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
         return jn.ROLLED_BACK
 
-    async def _sever_survivors(self, lost: list[str]) -> None:
+    async def _sever_survivors(self, deaths: list[Death]) -> None:
         """Active abort, while the spare is prepared: each survivor's launchpad cuts the collectives
         of its workers that stopped progressing (launchpad/stall_watch.py), so every survivor
         reaches its just-in-time checkpoint now, wherever it sits in the ring, instead of at the
         collective timeout; workers still training are only watched (their peers all answer: the
         lost node's ranks may be alive, _check_still_training). Never fails the recovery: a
-        launchpad that does not answer leaves its workers to the collective timeout, as before."""
+        launchpad that does not answer leaves its workers to the collective timeout, as before. A
+        worker that crashed is surely gone: with only such deaths every survivor is cut at once."""
         p = self.plan
+        lost = [d.node for d in deaths if not d.in_place]
         survivors = [n for n in self._survivors() if n not in lost]
-        args = {"lost": lost, "watch_s": self.t.collective}
+        args = {"lost": [d.node for d in deaths], "watch_s": self.t.collective,
+                "all": all(d.in_place for d in deaths)}
         results = await asyncio.gather(*(self.send(n, "sever", p.gen, args, timeout=self.t.collective)
                                          for n in survivors), return_exceptions=True)
         for node, res in zip(survivors, results, strict=True):

@@ -40,6 +40,7 @@ def _assert_rebuilt_in_place(torchpassd: Daemon, devcluster: DevCluster, workdir
     mig = torchpassd.wait_migration(job.job, node, timeout=180)
     assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware", mig
     assert not mig["target"], mig  # no spare: the rank was rebuilt where it ran
+    assert sorted(torchpassd.job(job.job)["nodes"]) == sorted(nodes_before)  # the same nodes, nothing resized
     phases = {p["phase"]: p.get("detail", {}) for p in mig["phases"]}
     assert "spare_chosen" not in phases and phases["joiner_ready"]["in_place"] is True, phases
     assert phases["joiner_ready"]["ranks"] == [victim["rank"]], phases
@@ -56,7 +57,7 @@ def _assert_rebuilt_in_place(torchpassd: Daemon, devcluster: DevCluster, workdir
     rep = DrillReport()
     judge(job.log, ref, victim["rank"], failed_step, offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
-    assert sorted(torchpassd.job(job.job)["nodes"]) == sorted(nodes_before)  # same nodes; the spare stayed free
+    print(json.dumps({p: {k: v for k, v in d.items() if k != "plan"} for p, d in phases.items()}))  # timings in -s
     return phases
 
 
@@ -69,6 +70,7 @@ def test_a_worker_killed_on_a_healthy_node_is_rebuilt_in_place_and_the_job_ends_
     assert "killed by signal SIGKILL" in " ".join(phases["detected"]["evidence"]), phases["detected"]
 
 
+@pytest.mark.matrix  # CI runs the watchdog on real launchpads in tests/integration/test_launchpad_unplanned.py
 def test_a_frozen_rank_is_found_by_the_watchdog_and_rebuilt_in_place(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
     """SIGSTOP: the rank neither steps nor answers; its peers wait in their all-reduce. launchpad's

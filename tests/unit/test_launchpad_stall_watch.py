@@ -90,3 +90,12 @@ def test_a_malformed_sever_is_refused() -> None:
         asyncio.run(watch.sever({"lost": "n3"}, 1, "m1"))
     with pytest.raises(ProtocolError, match="stalled_s"):
         asyncio.run(watch.sever({"lost": ["n3"], "stalled_s": "soon"}, 1, "m1"))
+
+
+def test_with_all_every_running_worker_is_cut_at_once() -> None:
+    async def go() -> dict[str, Any]:
+        chan = Links()
+        chan.add(0, age=0.0)  # still in its step: a peer's worker crashed, its next collective cannot complete
+        chan.add(1, age=3.0)
+        return await StallWatch(chan, "n2").sever({"lost": ["n3"], "all": True}, 1, "m1")  # type: ignore[arg-type]
+    assert asyncio.run(go()) == {"severed": [0, 1], "watching": []}

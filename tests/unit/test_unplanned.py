@@ -229,7 +229,7 @@ def test_recovery_flow_donates_reforms_resumes_and_releases(tmp_path: Path) -> N
     first_reform = cmds.index(next(c for c in cmds if c[1] == "reform"))
     # active abort first: every survivor (not the dead node) is told to cut its stalled workers' collectives
     severs = {n: a for n, c, _, a in w.commander.sent if c == "sever"}
-    assert set(severs) == {"n1", "n2", "n4"} and all(a["lost"] == ["n3"] for a in severs.values()), severs
+    assert set(severs) == {"n1", "n2", "n4"} and all(a["lost"] == ["n3"] and not a["all"] for a in severs.values())
     assert [c for _, c in cmds[:first_reform]] == ["sever"] * 3 + ["recover"] * 3
     assert {n for n, c in cmds if c == "reform"} == {n for n, c in cmds if c == "resume"} == {"n1", "n2", "n4", "n5"}
     assert w.slurm.added == ["n5"] and w.slurm.evicted == ["n3"] and not w.slurm.released
@@ -617,6 +617,8 @@ def test_a_crashed_rank_is_rebuilt_in_place_on_its_live_node_without_a_spare(tmp
     [one] = joiner["joiners"]
     assert node == "n3" and one["rank"] == 2 and joiner["world_size"] == 4
     assert one["source"]["port"] == w.port and len(one["source"]["token"]) == 64
+    severs = {n: a for n, c, _, a in w.commander.sent if c == "sever"}
+    assert set(severs) == {"n1", "n2", "n4"} and all(a["all"] for a in severs.values())  # a crash is certain
     recover = {n: a for n, c, _, a in w.commander.sent if c == "recover"}
     assert set(recover) == {"n1", "n2", "n4"}  # n3's only rank is the one being rebuilt
     donations = {d["rank"]: (n, d) for n, a in recover.items() for d in _listed(a.get("donate"))}
