@@ -32,7 +32,7 @@ torchrun_reference = lt.torchrun_reference
 pytestmark = [pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
 JOB, NODES, DEAD = lc.JOB, ("n0", "n1", "n2"), "n2"
 STEPS, AT, HOLD = 24, 6, 1.5
-COLLECTIVE = 5.0  # timeouts.collective: how long the survivors wait for a frozen peer
+COLLECTIVE = 10.0  # timeouts.collective: how long the survivors would wait for a frozen peer
 
 # The shared DDP script with torchpass.register() and a fault knob (env TP_FAULT, JSON): at
 # completed step ``at`` the doomed rank marks the chosen phase in a file (the test kills it then) and
@@ -166,10 +166,10 @@ def test_a_killed_node_is_recovered_at_the_step_in_progress(procs: Procs, tmp_pa
             await orch.until(interrupted, timeout=COLLECTIVE + 60)
             detect = time.monotonic() - t_kill
             if how == signal.SIGSTOP:  # its node's watchdog killed it (no step, no answer): no collective timeout
-                assert "watchdog.frozen" in (tmp_path / f"launchpad-{DEAD}.log").read_text()
-                assert detect < COLLECTIVE + 2, f"interrupted after {detect:.1f} s"
-                os.killpg(worker, signal.SIGKILL)
-                os.killpg(nodes[2].pid, signal.SIGKILL)
+                assert detect < COLLECTIVE - 2, f"interrupted after {detect:.1f} s: at the collective timeout"
+                with pytest.raises(ProcessLookupError):
+                    os.kill(worker, 0)  # gone: the watchdog killed it (a stopped process keeps its sockets)
+                os.killpg(nodes[2].pid, signal.SIGKILL)  # the node goes too: its rank is rebuilt next to rank 0
             steps = {n: orch.workers(n)[0]["step"] for n in survivors}
             assert set(steps.values()) == {resume_step}, steps
             assert dead_step == AT  # the lost rank had completed AT steps; the survivors resume_step
