@@ -142,7 +142,7 @@ class WorkerGroup:
         running = set(self.workers)
         stop_task = asyncio.create_task(stop.wait())
         try:
-            while running or (self.hold and not self.workers):
+            while running or self.held or (self.hold and not self.workers):  # a held crash awaits its rebuild
                 get = asyncio.create_task(self._exited.get())
                 done, _ = await asyncio.wait({get, stop_task}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
@@ -157,7 +157,7 @@ class WorkerGroup:
                     return expired
                 if (remote := await remote_failure()) is not None:
                     return await self._told_exit_outcome(running) or Outcome(ok=False, remote=remote)
-            return self._hold_expired(at_end=True) or Outcome(ok=True)
+            return Outcome(ok=True)
         finally:
             stop_task.cancel()
 
@@ -170,12 +170,12 @@ class WorkerGroup:
         self.frozen[pid] = quiet_s
         w.signal(signal.SIGKILL)
 
-    def _hold_expired(self, *, at_end: bool = False) -> Outcome | None:
-        """The round's failure when a held crashed worker was not rebuilt within hold_s (or the
-        others all ended while it was held): then it fails as torchrun would have at the crash."""
+    def _hold_expired(self) -> Outcome | None:
+        """The round's failure when a held crashed worker was not rebuilt within hold_s: then it
+        fails as torchrun would have at the crash."""
         now = asyncio.get_running_loop().time()
         for pid, since in self.held.items():
-            if at_end or now - since > self.hold_s:
+            if now - since > self.hold_s:
                 w = self.workers[pid]
                 self._log.error("worker.hold_expired", rank=w.rank, pid=pid, code=w.returncode,
                                 held_s=round(now - since, 1))

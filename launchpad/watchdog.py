@@ -29,10 +29,12 @@ def hung_after(step_s: float | None) -> float:
     return max(HUNG_FLOOR_S, HUNG_STEPS * step_s if step_s else 0.0)
 
 
-def frozen(now: float, link: WorkerLink) -> float | None:
-    """How long ``link``'s worker has been frozen, or None while it steps or answers."""
+def frozen(now: float, link: WorkerLink, since: float) -> float | None:
+    """How long ``link``'s worker has been frozen, or None while it steps or answers; ``since``:
+    when it was last seen entering the running state (pings go to running workers only, so a
+    worker that was parked or interrupted meanwhile is judged from then on)."""
     limit = hung_after(link.step_s)
-    quiet = now - max(link.step_at, link.pong_at)
+    quiet = now - max(link.step_at, link.pong_at, since)
     return quiet if quiet > limit else None
 
 
@@ -41,6 +43,7 @@ class Watchdog:
 
     def __init__(self, channel: ChannelServer, group: WorkerGroup) -> None:
         self.channel, self.group = channel, group
+        self.running_since: dict[int, float] = {}  # pid -> when this stretch of running began
         self._log = log.get(node=group.spec.node)
 
     def _watched(self) -> list[WorkerLink]:
@@ -51,12 +54,13 @@ class Watchdog:
     async def run(self) -> None:
         while True:
             links = self._watched()
+            now = time.monotonic()
+            self.running_since = {lk.pid: self.running_since.get(lk.pid, now) for lk in links}
             for lk in links:
                 with contextlib.suppress(ConnectionError):
                     await lk.chan.send(ac.message(ac.PING))
-            now = time.monotonic()
             for lk in links:
-                if (quiet := frozen(now, lk)) is not None:
+                if (quiet := frozen(now, lk, self.running_since[lk.pid])) is not None:
                     self._log.error("watchdog.frozen", rank=lk.rank, pid=lk.pid, quiet_s=round(quiet, 1),
                                     step=lk.step, step_s=lk.step_s, action="killed; its rank is rebuilt in place")
                     await self.group.kill_frozen(lk.pid, quiet)

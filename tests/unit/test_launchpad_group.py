@@ -196,3 +196,9 @@ def test_a_held_crash_not_rebuilt_in_time_fails_the_round_as_torchrun_would(tmp_
 def test_a_script_that_raises_is_never_held(tmp_path: Path) -> None:
     out, seen = held_round(tmp_path, ["raise SystemExit(1)", "import time; time.sleep(20)"], hold_s=10, replace=False)
     assert (out.ok, out.failed) == (False, (0, 1)) and seen["beats"] == 0
+
+
+def test_the_only_worker_of_a_node_crashing_is_held_too(tmp_path: Path) -> None:
+    out, seen = held_round(tmp_path, [KILLED], hold_s=10, replace=True)
+    assert out.ok, out.describe()  # the round waited for the rebuild instead of ending with no worker left
+    assert seen["held"] == [0] and seen["ranks_after"] == [0]

@@ -25,11 +25,13 @@ from torchpass_common import agent_channel as ac
 def test_frozen_needs_both_no_step_and_no_answer_past_the_limit() -> None:
     assert wd.hung_after(None) == 3.0 and wd.hung_after(0.1) == 3.0 and wd.hung_after(2.0) == 10.0
     link = WorkerLink(0, 0, 1, False, None, step_at=100.0, pong_at=100.0)  # type: ignore[arg-type]
-    assert wd.frozen(102.9, link) is None and wd.frozen(103.5, link) == 3.5
+    assert wd.frozen(102.9, link, 0.0) is None and wd.frozen(103.5, link, 0.0) == 3.5
     link.pong_at = 103.0  # it answers: it waits on a peer, not frozen
-    assert wd.frozen(105.0, link) is None
+    assert wd.frozen(105.0, link, 0.0) is None
     link.step_s = 2.0  # slow steps: 10 s of patience
-    assert wd.frozen(112.0, link) is None and wd.frozen(113.5, link) is not None
+    assert wd.frozen(112.0, link, 0.0) is None and wd.frozen(113.5, link, 0.0) is not None
+    # just resumed after an interruption (no pings while interrupted): judged from its resume on
+    assert wd.frozen(113.5, link, 110.0) is None
 
 
 @dataclass
