@@ -92,7 +92,8 @@ class StallWatch:
         while links and time.monotonic() < until:
             await asyncio.sleep(WATCH_POLL_S)
             now = time.monotonic()
-            links = [lk for lk in links if lk in self._candidates() and lk.step < start[lk.pid] + ALIVE_STEPS]
+            candidates = self._candidates()
+            links = [lk for lk in links if lk in candidates and lk.step < start[lk.pid] + ALIVE_STEPS]
             cut = [lk for lk in links if stalled(now, lk.step_at, lk.step_s, floor)]
             if cut:
                 self._log.warning("stall_watch.stalled_later", severed=sorted(lk.rank for lk in cut))

@@ -164,11 +164,7 @@ class FailureDetector:
                 evidence = self._evidence(job, name, n, now)
                 if not evidence:
                     continue
-                why = self.busy(job, name)
-                if why:
-                    if why != n.deferred:
-                        self.log.info("failure.deferred", job=job, node=name, why=why, evidence=evidence)
-                    n.deferred = why
+                if self._deferred(job, name, n, evidence=evidence):
                     continue
                 n.decided = True
                 first = [t for t in (n.offline_at, n.slurm_at,
@@ -180,17 +176,22 @@ class FailureDetector:
                 self.on_death(death)
         return found
 
+    def _deferred(self, job: str, name: str, n: _Node, **detail: Any) -> bool:
+        """``name`` is someone else's business now (``busy``): say why once, decide nothing."""
+        why = self.busy(job, name)
+        if why:
+            if why != n.deferred:
+                self.log.info("failure.deferred", job=job, node=name, why=why, **detail)
+            n.deferred = why
+        return bool(why)
+
     def _crash(self, job: str, name: str, n: _Node, now: float) -> Death | None:
         """The in-place decision: workers of ``name`` were killed by a signal while its launchpad
         heartbeats (the node lives): only their ranks are lost, rebuilt on the node itself."""
         crashed = n.new_crashes()
         if not crashed or n.offline_at is not None:
             return None
-        why = self.busy(job, name)
-        if why:
-            if why != n.deferred:
-                self.log.info("failure.deferred", job=job, node=name, why=why, crashed=[w["rank"] for w in crashed])
-            n.deferred = why
+        if self._deferred(job, name, n, crashed=[w["rank"] for w in crashed]):
             return None
         n.crashes_decided |= {w.get("pid") for w in crashed}
         evidence = tuple(f"worker rank {w['rank']} {_how(w)} on {name}; the node and its launchpad are alive"
