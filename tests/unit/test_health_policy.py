@@ -152,7 +152,7 @@ def test_health_watch_drains_once_and_journals_the_evidence(tmp_path: Path) -> N
             (event,) = journal.events(job_id="42")
             assert event.event == "health.decision" and event.detail["signal"] == "xid"
             assert event.detail["evidence"]["fields"]["xid_79"] == 1 and "failed" not in event.detail
-            assert 'torchpass_health_decisions_total{signal="xid",action="drain"} 1' in metrics.render()
+            assert metrics.health_decisions_total.value(signal="xid", action="drain") == 1
             view = (await watch.op_health({}))["n3"]
             assert view["decision"]["reason"] == drained[0][1]
             assert view["gpus"]["0"]["state"] == "not answering" and view["gpus"]["1"]["state"] == "ok"

@@ -17,10 +17,11 @@ SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>([a-zA-Z_
                     r'(?P<value>[-+]?(\d+(\.\d*)?([eE][-+]?\d+)?|Inf|NaN))$')
 
 
-def scrape(metrics: Metrics, path: str = "/metrics") -> tuple[int, str, str]:
+def scrape(metrics: Metrics, path: str = "/metrics", accept: str = "") -> tuple[int, str, str]:
     def get(port: int) -> tuple[int, str, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Accept": accept} if accept else {})
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            with urllib.request.urlopen(request, timeout=10) as resp:
                 return resp.status, resp.headers["Content-Type"], resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.headers["Content-Type"], exc.read().decode()
@@ -94,6 +95,18 @@ def test_label_values_are_escaped_and_label_names_enforced() -> None:
     assert 'torchpass_heartbeat_age_seconds{job="a\\"b\\\\c",node="n\\n1"}' in s
     with pytest.raises(ValueError, match="takes labels"):
         m.migrations_total.inc(mode="x")
+
+
+def test_a_scraper_asking_for_openmetrics_gets_it_and_process_metrics_come_with_every_scrape() -> None:
+    m = Metrics()
+    m.migrations_total.inc(mode="planned-aware", outcome="succeeded")
+    status, ctype, text = scrape(m, accept="application/openmetrics-text; version=1.0.0; charset=utf-8")
+    assert status == 200 and ctype.startswith("application/openmetrics-text"), ctype
+    assert text.endswith("# EOF\n")
+    assert 'torchpass_migrations_total{mode="planned-aware",outcome="succeeded"} 1.0' in text
+    plain = parse(scrape(m)[2])
+    assert plain["process_cpu_seconds_total"] > 0 and plain["process_resident_memory_bytes"] > 0
+    assert not any(k.endswith("_created") or "_created{" in k for k in plain), "no _created series"
 
 
 def test_other_paths_are_not_found() -> None:

@@ -58,7 +58,7 @@ class World:
                                clock=lambda: self.now, hold_max=8)
 
     def refused(self, reason: str) -> float:
-        return self.metrics.reports_refused_total.values.get((reason,), 0.0)
+        return self.metrics.reports_refused_total.value(reason=reason)
 
 
 def test_a_report_about_a_node_of_its_job_is_admitted() -> None:
