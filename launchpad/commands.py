@@ -15,7 +15,9 @@ from launchpad.channel import WorkerLink
 from launchpad.stall_watch import StallWatch
 from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
+from torchpass_common import transfer_address
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
+from torchpass_common.transfer_address import TransferAddress
 from torchpass_common.worker_state import WorkerState
 
 if TYPE_CHECKING:
@@ -31,11 +33,9 @@ def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int
     return value
 
 
-def _wormhole_end(value: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
-    """``value`` if it is a wormhole end with ``keys`` (ac.DEST_KEYS or ac.SOURCE_KEYS), else ProtocolError."""
-    if fault := ac.wormhole_end_fault(value, keys):
-        raise ProtocolError(f"{what} is refused: {fault}", hint=f"give a wormhole end {{{', '.join(sorted(keys))}}}")
-    return value
+def _relayed(value: Any, what: str) -> dict[str, Any]:
+    """``value`` checked as a TransferAddress (else ProtocolError) and put back on the wire for a worker."""
+    return TransferAddress.parse(value, what).wire()
 
 
 def _donations(raw: Any) -> list[dict[str, Any]]:
@@ -48,7 +48,7 @@ def _donations(raw: Any) -> list[dict[str, Any]]:
         to = d.get("to", d.get("rank")) if isinstance(d, dict) else None
         if not isinstance(to, int) or not isinstance(d.get("dest"), dict):
             raise ProtocolError(f"a donation needs 'to' (the rank to rebuild) and a 'dest' map, got {d!r}")
-        dest = _wormhole_end(d["dest"], ac.DEST_KEYS, f"recover's donation to rank {to}: 'dest'")
+        dest = _relayed(d["dest"], f"recover's donation to rank {to}: 'dest'")
         out.append({"to": to, "dest": dest, "from": d.get("from")})
     return out
 
@@ -60,14 +60,14 @@ def _loads(raw: Any, lagging: list[int]) -> dict[int, dict[str, Any]]:
         return {}
     if not isinstance(raw, dict):
         raise ProtocolError(f"recover's 'load_from' must be a map, got {raw!r}")
-    if any(k in raw for k in (*ac.SOURCE_KEYS, "path")):
-        _wormhole_end(raw, ac.SOURCE_KEYS, "recover's 'load_from'")
+    if any(k in raw for k in (*transfer_address.KEYS, "path")):
+        source = _relayed(raw, "recover's 'load_from'")
         if len(lagging) != 1:
             raise ProtocolError(f"one load_from source for {len(lagging)} lagging workers {lagging}",
                                 hint="give load_from as a map from rank to source")
-        return {lagging[0]: raw}
+        return {lagging[0]: source}
     try:
-        return {int(rank): _wormhole_end(source, ac.SOURCE_KEYS, f"recover's 'load_from' for rank {rank}")
+        return {int(rank): _relayed(source, f"recover's 'load_from' for rank {rank}")
                 for rank, source in raw.items() if isinstance(source, dict)}
     except ValueError as exc:
         raise ProtocolError(f"recover's load_from keys must be ranks: {sorted(raw)}") from exc
@@ -147,9 +147,9 @@ class Commands:
         raw = args.get("saves", [{"rank": args.get("rank"), "dest": args.get("dest")}])
         if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
             raise ProtocolError(f"save's 'saves' must be a non-empty list of {{rank, dest}} maps, got {raw!r}")
-        saves = [(_int_arg(item, "rank"), item.get("dest")) for item in raw]
-        for rank, dest in saves:  # every destination checked before any worker is asked
-            _wormhole_end(dest, ac.DEST_KEYS, f"save's 'dest' for rank {rank}")
+        # every destination checked before any worker is asked
+        saves = [(rank := _int_arg(item, "rank"), _relayed(item.get("dest"), f"save's 'dest' for rank {rank}"))
+                 for item in raw]
         links = {lk.rank: lk for lk in self._links(include_joiners=False)}
         jobs = []
         for rank, dest in saves:
@@ -256,7 +256,7 @@ class Commands:
         raw = args.get("joiners", [{"rank": args.get("rank"), "source": args.get("source")}])
         if not isinstance(raw, list) or not raw or not all(isinstance(j, dict) for j in raw):
             raise ProtocolError(f"start_joiner's 'joiners' must be a non-empty list of {{rank, source}} maps, got {raw!r}")
-        joiners = [(_int_arg(j, "rank"), _wormhole_end(j.get("source"), ac.SOURCE_KEYS, "start_joiner's 'source'"))
+        joiners = [(_int_arg(j, "rank"), TransferAddress.parse(j.get("source"), "start_joiner's 'source'"))
                    for j in raw]  # every entry checked before any worker starts
         group = self.agent.group
         if group is None:

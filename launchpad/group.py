@@ -22,7 +22,8 @@ from launchpad.output import OutputRouter
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
 from torchpass_common import agent_channel, log
-from torchpass_common.errors import WorkerError
+from torchpass_common.errors import ProtocolError, WorkerError
+from torchpass_common.transfer_address import TransferAddress
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,18 @@ class Outcome:
 
 def join_plan(nproc: int) -> dict[str, Any] | None:
     """The join plan torchpassd gave this launchpad (agent_channel.ENV_JOIN_PLAN), checked against
-    its --nproc-per-node; None on a launchpad that starts a job's own workers."""
+    its --nproc-per-node, its sources read as TransferAddress; None on a launchpad that starts a
+    job's own workers."""
     raw = os.environ.get(agent_channel.ENV_JOIN_PLAN)
     if not raw:
         return None
     try:
         plan = json.loads(raw)
         ok = (len(plan["ranks"]) == len(plan["sources"]) == nproc
-              and all(isinstance(plan[k], int) for k in ("world_size", "group_rank", "group_world_size"))
-              and all(isinstance(src, dict) and "path" not in src and agent_channel.SOURCE_KEYS <= src.keys()
-                      for src in plan["sources"]))  # wormhole listeners only: never a filesystem path
-    except (ValueError, KeyError, TypeError):
+              and all(isinstance(plan[k], int) for k in ("world_size", "group_rank", "group_world_size")))
+        # wormhole listeners only: never a filesystem path
+        plan["sources"] = [TransferAddress.parse(src, "a join plan's source") for src in plan["sources"]]
+    except (ValueError, KeyError, TypeError, ProtocolError):
         ok = False
     if not ok:
         raise WorkerError(f"{agent_channel.ENV_JOIN_PLAN} is not a join plan for {nproc} workers",
@@ -97,11 +99,11 @@ class WorkerGroup:
             m = dataclasses.replace(self.m, world_size=plan["world_size"], rank_offset=rank - local_rank,
                                     node_rank=plan["group_rank"], nnodes=plan["group_world_size"])
             env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
-                agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank])})
+                agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank].wire())})
             env.pop(agent_channel.ENV_JOIN_PLAN, None)  # every worker sees only its own source and token
             await self._add(rank, local_rank, env)
 
-    async def add_joiner(self, rank: int, world_size: int, source: dict[str, Any]) -> workers.Worker:
+    async def add_joiner(self, rank: int, world_size: int, source: TransferAddress) -> workers.Worker:
         """Start a worker that joins the running job as ``rank``, loading its state from ``source``;
         it takes the place (and the local rank) of a held crashed worker of that rank, if any."""
         crashed = next((w for pid, w in self.workers.items() if pid in self.held and w.rank == rank), None)
@@ -112,7 +114,7 @@ class WorkerGroup:
             local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
-            agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source)})
+            agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
         return await self._add(rank, local_rank, env)
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:

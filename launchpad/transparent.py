@@ -28,6 +28,7 @@ from launchpad.wormhole import File, StateReceiver, send_state
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, ProtocolError, TorchPassError, WorkerError
+from torchpass_common.transfer_address import TransferAddress
 
 if TYPE_CHECKING:
     from launchpad.agent import Agent
@@ -184,10 +185,10 @@ class Transparent:
         return {"reasons": reasons, "registered": bool(link and link.registered), "pid": w.pid}
 
     async def checkpoint(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Move the parked workers named in ``moves`` ({rank, page_port, port}; or ``rank``,
-        ``page_port``, ``port`` for one), side by side: detach each, criu-dump it (pages to the
-        spare's page server at ``page_host``), and send its other images by the wormhole to
-        ``host``. A dumped worker stays stopped here until discard or resume_original. A failed dump
+        """Move the parked workers named in ``moves`` ({rank, page_port, images}), side by side:
+        detach each, criu-dump it (pages to the spare's page server at ``page_host``), and send its
+        other images by the wormhole to ``images``. A dumped worker stays stopped here until discard
+        or resume_original. A failed dump
         leaves that worker running here (reconnected, still parked) and the ack is the error."""
         moves = _moves(args)
         results = await asyncio.gather(*(self._checkpoint_one(m, args, migration) for m in moves),
@@ -196,7 +197,7 @@ class Transparent:
         if failed:
             for m, r in zip(moves, results, strict=True):  # the others go on here too
                 if not isinstance(r, BaseException):
-                    await self.resume_original({"rank": m["rank"]}, gen, migration)
+                    await self.resume_original({"rank": m.rank}, gen, migration)
             raise failed[0]
         if len(results) == 1:
             return results[0]
@@ -205,11 +206,11 @@ class Transparent:
                 "transfer_s": max(r["transfer_s"] for r in results),
                 "transfer_bytes": sum(r["transfer_bytes"] for r in results), "pid": [r["pid"] for r in results]}
 
-    async def _checkpoint_one(self, move: dict[str, int], args: dict[str, Any], migration: str) -> dict[str, Any]:
-        rank = move["rank"]
+    async def _checkpoint_one(self, move: _Move, args: dict[str, Any], migration: str) -> dict[str, Any]:
+        rank = move.rank
         where = _where(self.agent, migration, rank=rank)
-        page = (str(args.get("page_host")), move["page_port"])
-        dest = (str(args.get("host")), move["port"], bytes.fromhex(str(args.get("token", ""))))
+        page = (str(args.get("page_host")), move.page_port)
+        dest = move.images
         link, w = self._worker(rank)
         if link is None or w.control is None:
             raise MigrationError("the worker is not movable or not connected", hint="see preflight", **where)
@@ -233,7 +234,8 @@ class Transparent:
         t0 = time.monotonic()
         files = {f.name: File(f) for f in sorted(images.iterdir()) if f.is_file()}
         try:
-            stats = await asyncio.to_thread(send_state, {"resources": resources, "files": files}, *dest,
+            stats = await asyncio.to_thread(send_state, {"resources": resources, "files": files},
+                                            dest.host, dest.port, dest.token,
                                             timeout=timeouts.reform, context=where)
         except TorchPassError as exc:
             await self.resume_original({"rank": rank}, 0, migration)
@@ -277,30 +279,28 @@ class Transparent:
 
     # ---- spare -----------------------------------------------------------------------------
     async def prepare_restore(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
-        """Before the dump: for each of ``moves`` ({rank, page_port, port}; or ``page_port`` and
-        ``port`` for one) a criu page server on ``page_host:page_port`` and a wormhole receiver on
-        ``port`` (``token``) for the other images."""
+        """Before the dump: for each of ``moves`` ({rank, page_port, images}) a criu page server on
+        ``page_host:page_port`` and a wormhole receiver on ``images`` for the other images."""
         runner.become_subreaper()  # restored workers become this launchpad's children
         images = {}
         for move in _moves(args):
-            key = _key(migration, move["rank"])
+            key = _key(migration, move.rank)
             if key not in self.incoming:
                 self.incoming[key] = await self._incoming(key, move, args, _where(self.agent, migration))
-            images[str(move["rank"])] = str(self.incoming[key].images)
+            images[str(move.rank)] = str(self.incoming[key].images)
         return {"images": next(iter(images.values())) if len(images) == 1 else images}
 
-    async def _incoming(self, key: str, move: dict[str, int], args: dict[str, Any],
+    async def _incoming(self, key: str, move: _Move, args: dict[str, Any],
                         where: dict[str, Any]) -> _Incoming:
         migration, rank = key.split("/")
         images = self.agent._tmp / f"restore-{migration[:12]}-{rank}"  # one directory per moving worker
         try:
             server = await asyncio.to_thread(runner.PageServer, images, str(args.get("page_host")),
-                                             move["page_port"], where=where)
+                                             move.page_port, where=where)
         except (CriuFailed, CriuUnavailable) as exc:
             raise MigrationError(f"cannot receive the worker's pages: {exc.message}", **where) from exc
         try:
-            rx = StateReceiver("0.0.0.0", move["port"], bytes.fromhex(str(args.get("token", ""))),
-                               files_dir=images, context=where)
+            rx = StateReceiver(move.images.host, move.images.port, move.images.token, files_dir=images, context=where)
         except TorchPassError:
             server.stop()
             raise
@@ -384,14 +384,23 @@ def _key(migration: str, rank: int) -> str:
     return f"{migration}/{rank}"
 
 
-def _moves(args: dict[str, Any]) -> list[dict[str, int]]:
-    """``moves`` ({rank, page_port, port} each) or the one move given by ``rank``/``page_port``/``port``."""
+@dataclass(frozen=True)
+class _Move:
+    """One worker's move: its rank, the spare's criu page server port, and where its other images go
+    (checkpoint: the spare's receiver) or are received (prepare_restore: the address to listen on)."""
+
+    rank: int
+    page_port: int
+    images: TransferAddress
+
+
+def _moves(args: dict[str, Any]) -> list[_Move]:
+    """``moves``: a non-empty list of {rank, page_port, images (a TransferAddress)}."""
     raw = args.get("moves")
-    if raw is None:
-        return [{"rank": args.get("rank", -1), "page_port": _int(args, "page_port"), "port": _int(args, "port")}]
     if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
-        raise ProtocolError(f"'moves' must be a non-empty list of {{rank, page_port, port}} maps, got {raw!r}")
-    return [{k: _int(m, k) for k in ("rank", "page_port", "port")} for m in raw]
+        raise ProtocolError(f"'moves' must be a non-empty list of {{rank, page_port, images}} maps, got {raw!r}")
+    return [_Move(_int(m, "rank"), _int(m, "page_port"), TransferAddress.parse(m.get("images"), "a move's 'images'"))
+            for m in raw]
 
 
 def _ranks(args: dict[str, Any]) -> list[int]:

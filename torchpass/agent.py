@@ -23,6 +23,7 @@ from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
 from torchpass_common.timeouts import Timeouts
+from torchpass_common.transfer_address import TransferAddress
 
 _GONE = {"t": "_agent_gone"}  # queued by the reader thread when launchpad closes the socket
 # Step reports are thinned to one per this many seconds: launchpad then wakes at most ~10 times a
@@ -247,10 +248,11 @@ class Agent:
             raise WorkerError("asked to hand over state, but the script never called torchpass.register()",
                               hint="call torchpass.register(save=..., load=...) before training",
                               rank=self.rank)
-        handover.check_dest(dest, rank=self.rank)  # refused before the user's save() runs
+        to = handover.address(dest, "save's 'dest'", rank=self.rank,  # refused before the user's save() runs
+                              hint="launchpad and torchpass disagree on the agent channel")
         t0 = time.perf_counter()
         rec = self.capture(steps.current())
-        size = handover.send(rec, dest, rank=self.rank)
+        size = handover.send(rec, to, rank=self.rank)
         seconds = time.perf_counter() - t0
         self.send(ac.message(ac.SAVED, bytes=size, seconds=seconds))
         self.log.info("agent.saved", step=steps.current(), bytes=size, seconds=round(seconds, 4))
@@ -317,10 +319,7 @@ class Agent:
             raise WorkerError("a joining rank needs both save and load in torchpass.register()",
                               rank=self.rank)
         rejoin = self.rejoin
-        source = rejoin.source if rejoin else json.loads(os.environ.get(ac.ENV_JOIN_SOURCE, "null") or "null")
-        if not isinstance(source, dict):
-            raise WorkerError(f"a joining rank needs {ac.ENV_JOIN_SOURCE} (JSON object)", rank=self.rank,
-                              hint="launchpad sets it when it starts a joiner")
+        source = rejoin.source if rejoin else self._join_source()
         t0 = time.perf_counter()
         while True:
             try:
@@ -357,15 +356,24 @@ class Agent:
         del rec, rejoin, source, own, user
         self.park()
 
-    def _receive(self, source: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def _join_source(self) -> TransferAddress:
+        """Where a joining rank receives its state: TORCHPASS_JOIN_SOURCE, set by launchpad."""
+        try:
+            raw = json.loads(os.environ.get(ac.ENV_JOIN_SOURCE, "null") or "null")
+        except ValueError:
+            raw = None
+        return handover.address(raw, ac.ENV_JOIN_SOURCE, rank=self.rank,
+                                hint="launchpad sets it when it starts a joiner")
+
+    def _receive(self, source: dict[str, Any] | TransferAddress) -> tuple[dict[str, Any], Any]:
         """The hand-over record from ``source``: a joiner's donor, or a re-entered survivor's own
         state ({"record": ...}) or its donor's (a survivor that lagged one step behind); and this
         rank's own save() state when it was taken here (the wormhole's receive template), else None."""
-        if "record" in source:
+        if isinstance(source, dict):
             self.send(ac.message(ac.READY))
             return source["record"], None
         assert self.save_fn is not None
-        own = self.save_fn() if "token" in source else None
+        own = self.save_fn()
         incoming = handover.Incoming(source, rank=self.rank, template=None if own is None else handover.record(own, 0, []))
         self.send(ac.message(ac.READY))
         return incoming.receive(self.timeouts.decision), own

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchpass_common import agent_channel as ac
-from torchpass_common.errors import WorkerError
+from torchpass_common.errors import ProtocolError, WorkerError
+from torchpass_common.transfer_address import TransferAddress
 
 FORMAT = 1
 _SHARD = "__torchpass_local_shard__"  # marks a DTensor sent as {_SHARD: local tensor, "shape": [...]}
@@ -83,29 +83,19 @@ def has_local_shards(state: Any) -> bool:
     return bool(found)
 
 
-def check_dest(dest: Any, *, rank: int) -> dict[str, Any]:
-    """``dest`` if it names a wormhole receiver ({"host", "port", "token"}), else WorkerError."""
-    if fault := ac.wormhole_end_fault(dest, ac.DEST_KEYS):
-        raise WorkerError(f"save destination refused: {fault}",
-                          hint="launchpad and torchpass disagree on the agent channel", rank=rank)
-    return dest
+def address(raw: Any, what: str, *, rank: int, hint: str) -> TransferAddress:
+    """``raw`` (a TransferAddress on the wire) as an address, else WorkerError saying why."""
+    try:
+        return TransferAddress.parse(raw, what)
+    except ProtocolError as exc:
+        raise WorkerError(exc.message, hint=hint, rank=rank) from None
 
 
-def check_source(source: Any, *, rank: int) -> dict[str, Any]:
-    """``source`` if it names this rank's wormhole listener ({"listen_host", "port", "token"}),
-    else WorkerError."""
-    if fault := ac.wormhole_end_fault(source, ac.SOURCE_KEYS):
-        raise WorkerError(f"hand-over source refused: {fault}",
-                          hint="check TORCHPASS_JOIN_SOURCE or the recover command's load_from", rank=rank)
-    return source
-
-
-def send(rec: dict[str, Any], dest: dict[str, Any], *, rank: int) -> int:
-    """Deliver ``rec`` to the wormhole receiver ``dest`` ({"host", "port", "token"}); returns bytes moved."""
-    check_dest(dest, rank=rank)
+def send(rec: dict[str, Any], dest: TransferAddress, *, rank: int) -> int:
+    """Deliver ``rec`` to the wormhole receiver at ``dest``; returns bytes moved."""
     from launchpad.wormhole import send_state  # launchpad ships with torchpass; imported on use
 
-    stats = send_state(rec, dest["host"], int(dest["port"]), bytes.fromhex(dest["token"]), context={"rank": rank})
+    stats = send_state(rec, dest.host, dest.port, dest.token, context={"rank": rank})
     return stats.bytes
 
 
@@ -114,13 +104,12 @@ class Incoming:
     construction on it can take the state (a wormhole receiver is listening). ``template``: a
     record whose tensors the wormhole fills, e.g. the joiner's own parameters."""
 
-    def __init__(self, source: dict[str, Any], *, rank: int, template: Any = None) -> None:
+    def __init__(self, source: TransferAddress, *, rank: int, template: Any = None) -> None:
         from launchpad.wormhole import StateReceiver
 
-        check_source(source, rank=rank)
         self.rank = rank
-        self._receiver = StateReceiver(source["listen_host"], int(source["port"]), bytes.fromhex(source["token"]),
-                                       template=template, context={"rank": rank})
+        self._receiver = StateReceiver(source.host, source.port, source.token, template=template,
+                                       context={"rank": rank})
 
     def receive(self, timeout: float) -> dict[str, Any]:
         """Wait up to ``timeout`` s for the donor's record."""

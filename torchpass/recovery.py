@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchpass import ddp_layout, default_group, handover, steps
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import WorkerError
+from torchpass_common.transfer_address import TransferAddress
 
 if TYPE_CHECKING:
     from torchpass.agent import Agent
@@ -33,11 +34,11 @@ EXIT_INTERRUPTED = 75  # exit code of an interrupted worker told to exit: the jo
 
 @dataclass
 class Rejoin:
-    """What a re-entered script's register() loads: ``source`` is {"record": own state} or a
-    hand-over source (a lagging survivor takes the donor's); ``own`` is kept until loading
-    succeeded, so a torn donor stream leaves this rank able to try again."""
+    """What a re-entered script's register() loads: ``source`` is {"record": own state} or the
+    address to receive the donor's state on (a lagging survivor takes the donor's); ``own`` is kept
+    until loading succeeded, so a torn donor stream leaves this rank able to try again."""
 
-    source: dict[str, Any]
+    source: dict[str, Any] | TransferAddress
     own: dict[str, Any]
     step: int
     gen: int = 0  # the generation whose collective failed
@@ -121,9 +122,11 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
                          "so this rank has no state to donate or reload; restart from the last checkpoint")
             report = True
             continue
+        load_from = None
         if msg.get("load_from"):
             try:
-                handover.check_source(msg["load_from"], rank=agent.rank)
+                load_from = handover.address(msg["load_from"], "recover's 'load_from'", rank=agent.rank,
+                                             hint="launchpad and torchpass disagree on the agent channel")
             except WorkerError as exc:  # checked before donating: a refused command changes nothing
                 agent.error(f"recover refused: {exc}; this rank keeps its state, send recover again")
                 error, report = f"recover refused: {exc.message}", True
@@ -135,8 +138,8 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
                          "send recover again")
             error, report = f"donation failed: {exc}", True
             continue
-        source = msg.get("load_from") or {"record": own}
-        agent.log.info("agent.recovering", gen=msg["gen"], step=step, load_from=sorted(source),
+        source = load_from or {"record": own}
+        agent.log.info("agent.recovering", gen=msg["gen"], step=step, load_from=repr(load_from) if load_from else "own",
                         donated=[d.get("to") for d in msg["donate"]], bytes=sent)
         return Rejoin(source, own, step, gen, sent, seconds)
 
@@ -150,9 +153,10 @@ def donate(own: dict[str, Any], donations: list[dict[str, Any]], *, rank: int, w
         dest = d.get("dest") if isinstance(d, dict) else None
         if not isinstance(dest, dict):
             raise WorkerError(f"a donation needs a 'dest' map, got {d!r}", rank=rank)
-        dests.append(handover.check_dest(dest, rank=rank))
+        dests.append(handover.address(dest, "a donation's 'dest'", rank=rank,
+                                      hint="launchpad and torchpass disagree on the agent channel"))
     for dest in dests:
-        _wait_listening(str(dest["host"]), int(dest["port"]), wait, rank)
+        _wait_listening(dest.host, dest.port, wait, rank)
         total += handover.send(own, dest, rank=rank)
     return total, time.perf_counter() - t0
 

@@ -21,7 +21,7 @@ from torchpass_common.errors import ProtocolError
 # Environment a worker is started with.
 ENV_SOCKET = "TORCHPASS_AGENT_SOCKET"  # path of launchpad's listening socket
 ENV_JOIN = "TORCHPASS_JOIN"  # "1" on a rank that joins a running job
-ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: {"listen_host", "port", "token"} (SOURCE_KEYS)
+ENV_JOIN_SOURCE = "TORCHPASS_JOIN_SOURCE"  # JSON: the TransferAddress.wire() map to listen on
 # On a joining node's launchpad (never in a worker): JSON {"ranks": [...], "world_size", "group_rank",
 # "group_world_size", "sources": [...], "cwd"}: local worker i joins as ranks[i], loading from
 # sources[i], in the job's working directory cwd.
@@ -37,22 +37,6 @@ ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad wr
 
 MAX_FRAME = 1 << 20  # control messages only; state travels through the wormhole
 
-# Where hand-over state goes and comes from: always a wormhole peer, never a filesystem path (a
-# command that carries a "path" is refused: nothing read from disk on a command's word is loaded).
-DEST_KEYS = frozenset({"host", "port", "token"})  # a donor's save / recover donation dest: the receiver
-SOURCE_KEYS = frozenset({"listen_host", "port", "token"})  # a joiner's source / load_from: its listener
-NO_PATHS = "commands never carry filesystem paths: state moves only through the wormhole"
-
-
-def wormhole_end_fault(value: Any, keys: frozenset[str]) -> str | None:
-    """Why ``value`` is not a wormhole end with ``keys`` (DEST_KEYS or SOURCE_KEYS), or None if it
-    is one. A map carrying a filesystem path never is: NO_PATHS."""
-    if isinstance(value, dict) and "path" in value:
-        return f"it carries a filesystem path ({value['path']!r}): {NO_PATHS}"
-    if not isinstance(value, dict) or not keys <= value.keys():
-        got = sorted(value) if isinstance(value, dict) else type(value).__name__
-        return f"it must be a wormhole end {{{', '.join(sorted(keys))}}}, got {got}"
-    return None
 _HEADER = struct.Struct(">I")
 
 # worker -> agent

@@ -26,6 +26,7 @@ from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
+from torchpass_common.transfer_address import TransferAddress
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.metrics import Metrics
@@ -303,7 +304,7 @@ class Flow:
             group_rank = int(tpl.env.get("GROUP_RANK", 0))
         plan = {"ranks": ranks, "world_size": p.world_size, "group_rank": group_rank,
                 "group_world_size": int(tpl.env.get("GROUP_WORLD_SIZE", 1)),
-                "sources": [{"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()} for port in ports],
+                "sources": [TransferAddress("0.0.0.0", port, self.token).wire() for port in ports],
                 "cwd": tpl.cwd}
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{target}.log", "ab")  # noqa: SIM115 - the step owns it
@@ -434,7 +435,7 @@ class PlannedMigration(Flow):
 
     async def _hand_over(self) -> None:
         p = self.plan
-        saves = [{"rank": rank, "dest": {"host": p.target_addr, "port": joiner_port(p.port, i), "token": self.token.hex()}}
+        saves = [{"rank": rank, "dest": TransferAddress(p.target_addr, joiner_port(p.port, i), self.token).wire()}
                  for i, rank in enumerate(p.ranks)]
         self.save_sent = True
         res = await self.send(p.source, "save", p.gen, {"saves": saves})  # the node's ranks stream side by side

@@ -15,6 +15,7 @@ from typing import Any
 
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, TorchPassError
+from torchpass_common.transfer_address import TransferAddress
 from torchpassd import journal as jn
 from torchpassd import planned
 
@@ -121,13 +122,14 @@ class TransparentMigration(planned.PlannedMigration):
         """prepare_restore on the spare, checkpoint (dump + images) on the source, restore on the
         spare; timed separately in the handed_over phase."""
         p = self.plan
-        token = self.token.hex()
-        moves = [{"rank": rank, "page_port": planned.joiner_port(PAGE_PORT_BASE + p.new_gen, i),
-                  "port": planned.joiner_port(p.port, i)} for i, rank in enumerate(p.ranks)]
-        await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "moves": moves,
-                                                              "token": token})
+
+        def moves(images_host: str) -> list[dict[str, Any]]:
+            return [{"rank": rank, "page_port": planned.joiner_port(PAGE_PORT_BASE + p.new_gen, i),
+                     "images": TransferAddress(images_host, planned.joiner_port(p.port, i), self.token).wire()}
+                    for i, rank in enumerate(p.ranks)]
+        await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "moves": moves("0.0.0.0")})
         dump = await self.send(p.source, "checkpoint", p.gen, {  # the node's workers are dumped side by side
-            "moves": moves, "page_host": p.target_addr, "host": p.target_addr, "token": token})
+            "moves": moves(p.target_addr), "page_host": p.target_addr})
         done = await self.send(p.target, "restore", p.gen, {"ranks": p.ranks})
         await self.phase(planned.HANDED_OVER, dump_s=dump.get("dump_s"), frozen_s=dump.get("frozen_s"),
                          transfer_s=dump.get("transfer_s"), restore_s=done.get("restore_s"),

@@ -19,6 +19,7 @@ from slurm_plugin import events as ev
 from slurm_plugin import node_admin
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
+from torchpass_common.transfer_address import TransferAddress
 from torchpass_common.worker_state import WorkerState
 from torchpassd import journal as jn
 from torchpassd import planned
@@ -286,7 +287,7 @@ class UnplannedRecovery(Flow):
         p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
         ports = [joiner_port(p.port, i) for i in range(len(death.ranks))]
         await self.send(death.node, "start_joiner", p.gen, {"world_size": p.world_size, "joiners": [
-            {"rank": rank, "source": {"listen_host": "0.0.0.0", "port": port, "token": self.token.hex()}}
+            {"rank": rank, "source": TransferAddress("0.0.0.0", port, self.token).wire()}
             for rank, port in zip(death.ranks, ports, strict=True)]}, timeout=self.t.reform)
         await self._wait_receiver(None, death.node, seat["target_addr"], ports, "")
         await self.phase(JOINER_READY, node=death.node, ranks=list(death.ranks), in_place=True)
@@ -451,30 +452,29 @@ class UnplannedRecovery(Flow):
         base = {"gen": p.new_gen, "world_size": p.world_size, "step": p.resume_step, "lost_nodes": len(p.dead)}
         args = {n: dict(base) for n in p.survivors}
         view = self.view()
-        token = self.token.hex()
         rank_node = {r: n for n in p.survivors for r in view.ranks_on(n) if r not in p.lost_ranks}
         leaders = sorted(r for r in rank_node if p.steps.get(str(r), p.resume_step) == p.resume_step)
         load: dict[int, int] = {}
 
-        def donate(rank: int, dest: dict[str, Any]) -> None:
+        def donate(rank: int, dest: TransferAddress) -> None:
             """From a replica of ``rank`` at the resume step (DDP: any; HSDP: the same shard elsewhere)."""
             donor = replica_donor(rank, view.replicas.get(rank), leaders, load)
             if donor is None:
                 raise NoReplica(f"no survivor at step {p.resume_step} holds a replica of rank {rank}", **self.where)
-            args[rank_node[donor]].setdefault("donate", []).append({"rank": rank, "from": donor, "dest": dest})
+            args[rank_node[donor]].setdefault("donate", []).append({"rank": rank, "from": donor, "dest": dest.wire()})
 
         for seat in p.seats:  # spread the lost ranks over their replicas
             for i, rank in enumerate(seat.get("ranks") or [seat["rank"]]):
-                donate(rank, {"host": seat["target_addr"], "port": joiner_port(p.port, i), "token": token})
+                donate(rank, TransferAddress(seat["target_addr"], joiner_port(p.port, i), self.token))
         for lag in p.laggards:
             behind = [r for r in view.ranks_on(lag)
                       if r not in p.lost_ranks and p.steps.get(str(r), p.resume_step) < p.resume_step]
-            sources = {str(r): {"listen_host": "0.0.0.0", "port": joiner_port(p.port + LAG_PORT_OFFSET, j),
-                                "token": token} for j, r in enumerate(behind)}
-            args[lag]["load_from"] = sources
+            ports = {r: joiner_port(p.port + LAG_PORT_OFFSET, j) for j, r in enumerate(behind)}
+            args[lag]["load_from"] = {str(r): TransferAddress("0.0.0.0", port, self.token).wire()
+                                      for r, port in ports.items()}
             addr = addrs.get(lag) or lag
-            for r in behind:
-                donate(r, {"host": addr, "port": sources[str(r)]["port"], "token": token})
+            for r, port in ports.items():
+                donate(r, TransferAddress(addr, port, self.token))
         for a in args.values():
             if len(a.get("donate", ())) == 1:
                 a["donate"] = a["donate"][0]  # the contract's single form

@@ -191,7 +191,7 @@ def test_a_new_process_takes_over_a_rank_bit_identically(procs: Procs, tmp_path:
                 ack = await orch.command(cmd, args, gen=2, migration="paths")  # its own: acks are kept per command
                 assert not ack.body["ok"] and "commands never carry filesystem paths" in ack.body["error"], ack.body
             assert not planted.exists()
-            source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+            source = {"host": "127.0.0.1", "port": port, "token": token}
             ack = await orch.command("start_joiner", {"rank": 1, "source": source}, gen=2)
             assert ack.body["ok"], ack.body["error"]
             joiner = ack.body["result"]["pid"]

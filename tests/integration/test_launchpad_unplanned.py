@@ -176,7 +176,7 @@ def test_a_killed_node_is_recovered_at_the_step_in_progress(procs: Procs, tmp_pa
             assert all(orch.workers(n)[0]["registered"] and orch.workers(n)[0]["error"] for n in survivors)
             # the spare: a joiner for rank 2, started next to rank 0, listening for the donor's state
             token, port = secrets.token_bytes(32).hex(), lt.free_port()
-            source = {"listen_host": "127.0.0.1", "port": port, "token": token}
+            source = {"host": "127.0.0.1", "port": port, "token": token}
             await orch.to("n0", "start_joiner", {"rank": 2, "world_size": 3, "source": source}, gen=2)
             donate = {"rank": 2, "dest": {"host": "127.0.0.1", "port": port, "token": token}}
             base_args = {"gen": 2, "world_size": 3, "step": resume_step}

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchpass_common import agent_channel as ac
+from torchpass_common.transfer_address import TransferAddress
 
 ROOT = Path(__file__).resolve().parents[2]
 # How the tests' own training scripts begin: the Driver's arguments, a gloo group, rank and world.
@@ -189,13 +190,14 @@ def read_logs(*paths: Path) -> tuple[dict[tuple[int, int], str], dict[int, str]]
 
 
 def handover_ends() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the leaving rank's save ``dest``, the joiner's ``source``) for a hand-over through the
-    wormhole (a fresh port and token on this machine); commands never carry file paths."""
+    """(the leaving rank's save ``dest``, the joiner's ``source``) on the wire, for a hand-over
+    through the wormhole on this machine (a fresh port and token: the sender's and the listener's
+    address are the same); commands never carry file paths."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    token = os.urandom(32).hex()
-    return {"host": "127.0.0.1", "port": port, "token": token}, {"listen_host": "127.0.0.1", "port": port, "token": token}
+    end = TransferAddress("127.0.0.1", port, os.urandom(32)).wire()
+    return end, dict(end)
 
 
 class Tap:
@@ -209,7 +211,7 @@ class Tap:
         self._onward, self.source = handover_ends()
         token = os.urandom(32)
         self._rx = StateReceiver("127.0.0.1", 0, token)
-        self.dest = {"host": "127.0.0.1", "port": self._rx.port, "token": token.hex()}
+        self.dest = TransferAddress("127.0.0.1", self._rx.port, token).wire()
         self._got: queue.Queue[Any] = queue.Queue()
         threading.Thread(target=self._relay, daemon=True, name="test-tap").start()
 
@@ -219,8 +221,8 @@ class Tap:
         try:
             rec = self._rx.receive(3 * WAIT)
             self._got.put(rec)
-            send_state(rec, self._onward["host"], self._onward["port"], bytes.fromhex(self._onward["token"]),
-                       timeout=WAIT)
+            onward = TransferAddress.parse(self._onward, "the tap's onward address")
+            send_state(rec, onward.host, onward.port, onward.token, timeout=WAIT)
         except Exception as exc:  # the test sees it through record()
             self._got.put(exc)
 

@@ -14,7 +14,7 @@ from launchpad.commands import Commands
 from torchpass_common.errors import ProtocolError, WorkerError
 
 DEST = {"host": "127.0.0.1", "port": 7001, "token": "ab" * 32}
-SOURCE = {"listen_host": "127.0.0.1", "port": 7002, "token": "cd" * 32}
+SOURCE = {"host": "127.0.0.1", "port": 7002, "token": "cd" * 32}
 
 
 def commands() -> Commands:
@@ -54,8 +54,8 @@ def test_wormhole_ends_pass_the_check_and_incomplete_ones_are_named():
         run(commands().start_joiner, {"rank": 1, "source": SOURCE})
     with pytest.raises(ProtocolError, match=r"must be a wormhole end \{host, port, token\}, got \['host'\]"):
         run(commands().save, {"rank": 1, "dest": {"host": "127.0.0.1"}})
-    with pytest.raises(ProtocolError, match=r"must be a wormhole end \{listen_host, port, token\}"):
-        run(commands().start_joiner, {"rank": 1, "source": DEST})
+    with pytest.raises(ProtocolError, match=r"start_joiner's 'source' is refused: its port must be 1-65535"):
+        run(commands().start_joiner, {"rank": 1, "source": {**SOURCE, "port": 0}})
 
 
 @pytest.mark.security

@@ -18,6 +18,7 @@ from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
 from torchpass_common import agent_channel
 from torchpass_common.errors import WorkerError
+from torchpass_common.transfer_address import TransferAddress
 
 MEMBERSHIP = Membership(round=0, node_rank=0, nnodes=2, rank_offset=0, local_world_size=1, world_size=2,
                         store_host="127.0.0.1", store_port=1)
@@ -74,7 +75,7 @@ def test_a_joining_node_starts_each_worker_as_the_rank_it_takes_over(tmp_path: P
     """torchpassd's join plan: local worker i becomes ranks[i] with torchrun's environment for that
     place (node rank, sizes) and only its own state source; the plan itself (tokens) stays out."""
     plan = {"ranks": [6, 7], "world_size": 8, "group_rank": 3, "group_world_size": 4,
-            "sources": [{"listen_host": "0.0.0.0", "port": 29402 + 200 * i, "token": "ab"} for i in range(2)]}
+            "sources": [{"host": "0.0.0.0", "port": 29402 + 200 * i, "token": "ab"} for i in range(2)]}
     monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, json.dumps(plan))
     script = tmp_path / "worker.py"
     script.write_text("import json, os, sys\n"
@@ -160,7 +161,7 @@ def held_round(tmp_path: Path, codes: list[str], hold_s: float, *, replace: bool
             good = tmp_path / "joiner.py"
             good.write_text("import time; time.sleep(1)")
             group.spec = dataclasses.replace(spec, args=(str(good),))
-            w = await group.add_joiner(0, 2, {"listen_host": "127.0.0.1", "port": 1, "token": "00"})
+            w = await group.add_joiner(0, 2, TransferAddress("127.0.0.1", 1, b"\0"))
             seen["joiner_local_rank"] = w.local_rank
 
         async def no_remote() -> str | None:

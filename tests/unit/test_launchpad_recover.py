@@ -21,7 +21,7 @@ from torchpass_common.errors import MigrationError, ProtocolError
 from torchpass_common.timeouts import Timeouts
 
 DEST = {"host": "10.0.0.9", "port": 7001, "token": "ab" * 32}
-SOURCE = {"listen_host": "0.0.0.0", "port": 7002, "token": "cd" * 32}
+SOURCE = {"host": "0.0.0.0", "port": 7002, "token": "cd" * 32}
 
 
 def with_node(tmp_path: Path, steps: dict[int, int], body: Callable[..., Awaitable[None]],

@@ -25,6 +25,7 @@ from torchpass.agent import Agent
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import WorkerError, WormholeError
 from torchpass_common.timeouts import Timeouts
+from torchpass_common.transfer_address import TransferAddress
 
 SHORT = Timeouts(collective=1.0, step=2.0, reform=3.0, decision=10.0)
 
@@ -71,7 +72,7 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     agent.save_fn, agent.load_fn = (lambda: state("template", 0.0)), loaded.append
     own, donor = handover.record(state("own", 6.0), 6, []), handover.record(state("donor", 7.0), 7, [])
     token, port = secrets.token_bytes(32), free_port()
-    agent.rejoin = recovery.Rejoin({"listen_host": "127.0.0.1", "port": port, "token": token.hex()}, own, 6, gen=1)
+    agent.rejoin = recovery.Rejoin(TransferAddress("127.0.0.1", port, token), own, 6, gen=1)
     joined = threading.Thread(target=agent.join, daemon=True)
     joined.start()
     assert next_reply(launchpad)["t"] == ac.READY
@@ -85,9 +86,9 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     assert not loaded  # nothing half-received was loaded
     token2, port2 = secrets.token_bytes(32), free_port()
     launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=7, donate=[],
-                              load_from={"listen_host": "127.0.0.1", "port": port2, "token": token2.hex()}))
+                              load_from={"host": "127.0.0.1", "port": port2, "token": token2.hex()}))
     assert next_reply(launchpad)["t"] == ac.READY  # listening again, on the new source
-    handover.send(donor, {"host": "127.0.0.1", "port": port2, "token": token2.hex()}, rank=0)
+    handover.send(donor, TransferAddress("127.0.0.1", port2, token2), rank=0)
     joined_msg = next_reply(launchpad)
     assert (joined_msg["t"], joined_msg["step"], joined_msg["bytes"]) == (ac.JOINED, 7, 0)
     assert loaded[0]["who"] == "donor" and torch.equal(loaded[0]["w"], donor["user"]["w"])
