@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from launchpad import transparent, workers
+from launchpad import movable, workers
 from launchpad.output import OutputRouter
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
@@ -83,7 +83,7 @@ class WorkerGroup:
         self.held: dict[int, float] = {}  # pid of a held crashed worker -> when it crashed (loop time)
         self.on_held = on_held  # e.g. an immediate heartbeat, so torchpassd hears of the crash at once
         self.frozen: dict[int, float] = {}  # pid -> seconds it was frozen when the watchdog killed it
-        self.hold = transparent.restore_target()
+        self.hold = movable.restore_target()
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
     async def start(self) -> None:
@@ -119,8 +119,8 @@ class WorkerGroup:
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
         try:
-            if transparent.movable():
-                w = await transparent.spawn(self.spec, self.router, rank, local_rank, env)
+            if movable.movable():
+                w = await movable.spawn(self.spec, self.router, rank, local_rank, env)
             else:
                 w = await workers.spawn(self.spec, self.router, rank, local_rank, env)
         except OSError as exc:

@@ -1,9 +1,9 @@
-"""launchpad's side of a transparent (criu) move, for jobs run with --torchpass=transparent: workers
-start movable (criu_hooks.spawn: own PID namespace, own session, a control pipe), and the commands
-preflight / checkpoint / discard / resume_original (source) and prepare_restore / restore (spare)
-move one parked worker's process: its memory pages by criu's page server, the rest of its images by
-the wormhole, its stdout/stderr re-attached to this launchpad's pipes. Dump, transfer and restore
-are timed in the acks. Deciding when to move and what to do on a failure is torchpassd's job."""
+"""launchpad's side of a transparent (criu) move, for jobs run with --torchpass=transparent, whose
+workers started movable (launchpad/movable.py): the commands preflight / checkpoint / discard /
+resume_original (source) and prepare_restore / restore (spare) move one parked worker's process:
+its memory pages by criu's page server, the rest of its images by the wormhole, its stdout/stderr
+re-attached to this launchpad's pipes. Dump, transfer and restore are timed in the acks. Deciding
+when to move and what to do on a failure is torchpassd's job."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,8 +21,6 @@ from criu_hooks import image_owner, preflight, runner
 from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
-from launchpad.output import OutputRouter
-from launchpad.spec import MODE_ENV, LaunchSpec
 from launchpad.wormhole import File, StateReceiver, send_state
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
@@ -35,51 +32,6 @@ if TYPE_CHECKING:
     from launchpad.channel import WorkerLink
 
 _SOCKETS_CLOSED_S = 10.0
-
-
-def movable() -> bool:
-    """Start this node's workers so that criu can move them (the job asked for transparent mode)."""
-    return os.environ.get(MODE_ENV) == "transparent"
-
-
-def restore_target() -> bool:
-    return os.environ.get(ac.ENV_RESTORE_TARGET) == "1"
-
-
-async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: int,
-                env: Mapping[str, str]) -> workers.Worker:
-    """Start a movable worker: criu_hooks.spawn's prefix, its control pipe's read end passed in
-    (TORCHPASS_CONTROL_FD); the Worker's pid is the worker's own, not its launcher's."""
-    ctl_r, ctl_w = os.pipe()
-    try:
-        w = await workers.spawn(spec, router, rank, local_rank, {**env, ac.ENV_CONTROL_FD: str(ctl_r)},
-                                prefix=criu_spawn.PREFIX, pass_fds=(ctl_r,), os_pipes=True)
-    except BaseException:
-        os.close(ctl_w)
-        raise
-    finally:
-        os.close(ctl_r)
-    w.control = ctl_w
-    w.host_pid = await _inner_pid(w.proc.pid, rank)
-    log.get(rank=rank).info("worker.movable", launcher=w.proc.pid, pid=w.host_pid)
-    return w
-
-
-async def _inner_pid(launcher: int, rank: int, timeout: float = 30.0) -> int:
-    """The worker under ``launcher`` (unshare) once it leads its own session."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            pids = children.read_text().split()
-            if pids and criu_spawn.session_of(int(pids[0])) == int(pids[0]):
-                return int(pids[0])
-        except OSError:
-            if not Path(f"/proc/{launcher}").exists():
-                break
-        await asyncio.sleep(0.005)
-    raise WorkerError(f"the movable worker under launcher {launcher} did not start within {timeout:.0f} s",
-                      rank=rank, hint="is util-linux unshare available, and may this user make PID namespaces?")
 
 
 class Adopted:
