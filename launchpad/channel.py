@@ -20,6 +20,13 @@ from torchpass_common.worker_state import WorkerState
 STEP_AVERAGING = 0.2  # weight of the newest step time in WorkerLink.step_s
 
 
+def patience(step_s: float | None, floor: float, steps: int) -> float:
+    """Seconds a worker with typical step time ``step_s`` (None: not known yet) may go without
+    completing a step before it counts as stuck: ``steps`` of its step times, at least ``floor``.
+    The stall watch (cut now) and the watchdog (frozen) judge with it, each with its own numbers."""
+    return max(floor, steps * step_s if step_s else 0.0)
+
+
 @dataclass
 class WorkerLink:
     """One connected worker as the agent sees it."""

@@ -14,7 +14,7 @@ import contextlib
 import time
 from typing import Any
 
-from launchpad.channel import ChannelServer, WorkerLink
+from launchpad.channel import ChannelServer, WorkerLink, patience
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import ProtocolError
@@ -30,7 +30,7 @@ _NOT_CUT = frozenset({WorkerState.INTERRUPTED, WorkerState.EXITED, WorkerState.J
 def stalled(now: float, step_at: float, step_s: float | None, floor: float) -> bool:
     """A worker whose last step report (at ``step_at``) is older than ``floor`` and than
     STALL_STEPS of its typical step time ``step_s`` (None: not known yet) makes no progress."""
-    return now - step_at > max(floor, STALL_STEPS * step_s if step_s else 0.0)
+    return now - step_at > patience(step_s, floor, STALL_STEPS)
 
 
 def _seconds(args: dict[str, Any], name: str, default: float) -> float:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 
-from launchpad.channel import ChannelServer, WorkerLink
+from launchpad.channel import ChannelServer, WorkerLink, patience
 from launchpad.group import WorkerGroup
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
@@ -26,7 +26,7 @@ PING_EVERY_S = 1.0
 
 def hung_after(step_s: float | None) -> float:
     """Seconds without a step and without an answer after which a worker is frozen."""
-    return max(HUNG_FLOOR_S, HUNG_STEPS * step_s if step_s else 0.0)
+    return patience(step_s, HUNG_FLOOR_S, HUNG_STEPS)
 
 
 def frozen(now: float, link: WorkerLink, since: float) -> float | None:

@@ -250,12 +250,12 @@ def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], 
     return get
 
 
-def reference_log(workdir: Path, ranks: int, steps: int) -> Path:
-    """The example training on ``ranks`` ranks for ``steps`` steps without a failure (launchpad on
-    this machine): its log, for shapes the ``reference`` fixture's 4 workers do not cover."""
+def reference_log(workdir: Path, ranks: int, steps: int, script: Path = EXAMPLE) -> Path:
+    """The example training (or ``script``) on ``ranks`` ranks for ``steps`` steps without a failure
+    (launchpad on this machine): its log, for shapes the ``reference`` fixture's 4 workers do not cover."""
     log = workdir / f"reference-{ranks}.log"
     log.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(ranks), str(EXAMPLE),
+    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(ranks), str(script),
                     "--steps", str(steps), "--log", str(log)], check=True, timeout=600, capture_output=True)
     return log
 
