@@ -140,47 +140,32 @@ def _transparent_job(devcluster: DevCluster, tp_config: Path, workdir: Path, dae
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize("phase", ["joiner_ready", "handed_over"])
-def test_torchpassd_killed_during_a_transparent_migration(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                                          workdir: Path, reference, criu: None,  # noqa: ANN001
-                                                          fault_matrix: FaultMatrix, phase: str) -> None:
-    """torchpassd SIGKILLed while n3's worker process is being moved by criu (before the dump, or
-    after the hand-over) and started again: the migration is rolled back or finished from the
-    journal, the drain is carried out, no worker is left stopped; COMPLETED, bit-identical."""
+@pytest.mark.parametrize(("fault", "phase"), [("kill -9 torchpassd", "joiner_ready"),
+                                              ("kill -9 torchpassd", "handed_over"),
+                                              ("broker stopped 60 s", "joiner_ready")])
+def test_a_fault_during_a_transparent_migration(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
+                                                workdir: Path, reference, criu: None,  # noqa: ANN001
+                                                fault_matrix: FaultMatrix, fault: str, phase: str) -> None:
+    """While n3's worker process is being moved by criu (before the dump, or after the hand-over)
+    torchpassd is SIGKILLed and started again, or the broker is down for a minute: the migration is
+    rolled back or finished (from the journal after a restart), the drain is carried out, no worker
+    is left stopped or parked; COMPLETED, bit-identical."""
     job = _transparent_job(devcluster, tp_config, workdir, torchpassd)
-    with fault_matrix.case("kill -9 torchpassd", f"{TRANSPARENT} ({phase})") as cell:
+    with fault_matrix.case(fault, f"{TRANSPARENT} ({phase})") as cell:
         devcluster.drain("n3", "planned maintenance")
         torchpassd.wait_phase(job.job, (phase,), timeout=120)
-        torchpassd.stop(signal.SIGKILL)
-        torchpassd.start()
-        mig = succeeded_off(torchpassd, job.job, "n3")
-        assert mig["mode"] == "planned-transparent" and mig["target"] == "n5", mig
-        assert_bit_identical(job.wait_done(timeout=300), reference(TRANSPARENT_STEPS, drill_transparent.SCRIPT))
-        assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
-        tries = [m["status"] for m in torchpassd.migrations(job.job)]
-        cell["outcome"] = OK
-        cell["detail"] = f"killed at {phase}, restarted: attempts {tries}; COMPLETED, bit-identical"
-
-
-@pytest.mark.criu
-def test_a_transparent_migration_through_a_broker_outage(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
-                                                         workdir: Path, reference, criu: None,  # noqa: ANN001
-                                                         fault_matrix: FaultMatrix) -> None:
-    """The broker goes down for a minute while n3's worker is being moved: the migration ends (moved,
-    or rolled back with the reason and tried again), no worker is left stopped or parked, and the job
-    completes bit-identical."""
-    job = _transparent_job(devcluster, tp_config, workdir, torchpassd)
-    with fault_matrix.case("broker stopped 60 s", TRANSPARENT) as cell:
-        devcluster.drain("n3", "planned maintenance")
-        torchpassd.wait_phase(job.job, ("preflight", "spare_chosen", "spare_added", "joiner_ready"), timeout=120)
-        restart_broker(devcluster, down_s=BROKER_OUTAGE_S)
+        if fault == "kill -9 torchpassd":
+            torchpassd.stop(signal.SIGKILL)
+            torchpassd.start()
+        else:
+            restart_broker(devcluster, down_s=BROKER_OUTAGE_S)
         mig = succeeded_off(torchpassd, job.job, "n3", timeout=400)
-        assert mig["mode"] == "planned-transparent", mig
+        assert mig["mode"] == "planned-transparent" and mig["target"] == "n5", mig
         assert_bit_identical(job.wait_done(timeout=400), reference(TRANSPARENT_STEPS, drill_transparent.SCRIPT))
         assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
         tries = [m["status"] for m in torchpassd.migrations(job.job)]
         cell["outcome"] = OK
-        cell["detail"] = f"broker down {BROKER_OUTAGE_S:.0f} s mid-move: attempts {tries}; COMPLETED, bit-identical"
+        cell["detail"] = f"{fault} at {phase}: attempts {tries}; COMPLETED, bit-identical"
 
 
 @pytest.mark.criu
