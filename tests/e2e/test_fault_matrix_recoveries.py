@@ -53,6 +53,17 @@ def resumed_at(mig: dict) -> int:
     return next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
 
 
+def n3_killed(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
+              nodes: int = 4) -> tuple[Training, int]:
+    """A job training on ``nodes`` nodes whose n3 (rank 2) was just killed; and where in its log
+    the lines after the kill begin."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=nodes)
+    job.wait_running(daemon, min_step=5)
+    offset = job.log.stat().st_size
+    devcluster.kill_node("n3")
+    return job, offset
+
+
 def assert_rank_recovered(job: Training, ref: Path, rank: int, mig: dict, offset: int) -> None:
     rep = DrillReport()
     judge(job.log, ref, rank, resumed_at(mig), offset, rep)
@@ -64,10 +75,7 @@ def test_unplanned_recovery_through_a_broker_outage(torchpassd: Daemon, devclust
     """n3 dies; while its rank is being seated on the spare the broker is down for a minute. The
     survivors stay parked, nothing else is judged dead, and the recovery completes (or fails and is
     decided again) once the broker is back: the rank is rebuilt, COMPLETED, bit-identical."""
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
-    job.wait_running(torchpassd, min_step=5)
-    offset = job.log.stat().st_size
-    devcluster.kill_node("n3")
+    job, offset = n3_killed(devcluster, tp_config, workdir, torchpassd)
     with fault_matrix.case("broker stopped 60 s", RECOVERY) as cell:
         torchpassd.wait_phase(job.job, SEATING, timeout=60)
         restart_broker(devcluster, down_s=BROKER_OUTAGE_S)
@@ -88,10 +96,7 @@ def test_unplanned_recovery_whose_spare_dies_takes_the_next(torchpassd: Daemon, 
     """n3 dies and the spare chosen for its rank dies while the joiner starts: the rank is rebuilt on
     the other spare, the dead spare is not used again; COMPLETED, bit-identical."""
     two_spares(devcluster)
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=3)
-    job.wait_running(torchpassd, min_step=5)
-    offset = job.log.stat().st_size
-    devcluster.kill_node("n3")
+    job, offset = n3_killed(devcluster, tp_config, workdir, torchpassd, nodes=3)
     with fault_matrix.case("joining spare killed", RECOVERY) as cell:
         first = torchpassd.wait_phase(job.job, ("spare_added", "joiner_ready"), timeout=60)
         chosen = next(p["detail"]["spare"] for p in reversed(first["phases"]) if p["phase"] == "spare_chosen")
@@ -112,10 +117,7 @@ def test_a_node_drained_during_an_unplanned_recovery_moves_after_it(torchpassd: 
     """n3 dies and n2 is drained while n3's rank is seated: the recovery finishes first (one change to
     a job at a time), then n2's rank moves to the second spare; COMPLETED, bit-identical."""
     two_spares(devcluster)
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=3)
-    job.wait_running(torchpassd, min_step=5)
-    offset = job.log.stat().st_size
-    devcluster.kill_node("n3")
+    job, offset = n3_killed(devcluster, tp_config, workdir, torchpassd, nodes=3)
     with fault_matrix.case("a second node drained", RECOVERY) as cell:
         torchpassd.wait_phase(job.job, SEATING, timeout=60)
         devcluster.drain("n2", "planned maintenance")
