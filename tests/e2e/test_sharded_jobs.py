@@ -11,6 +11,8 @@ group; pure FSDP (no replica) falls back to a requeue, said in ``torchpassctl jo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +122,31 @@ def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
     chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
     assert chosen["detail"]["ranks"] == lost, chosen
     assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"), killed=lost)
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
+@pytest.mark.faults
+@pytest.mark.matrix  # CI: the in-place recovery of a DDP job (test_rank_recovery.py)
+def test_an_hsdp_worker_killed_on_a_healthy_node_is_rebuilt_in_place_from_its_replica(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """kill -9 of one HSDP rank (an OOM kill, a segfault): no spare, no resize; its shard comes from
+    the rank at the same shard position in the other replica group, it restarts on its own node,
+    and the job ends COMPLETED 0:0, bit-identical."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
+                   script=EXAMPLE, args="--mesh hsdp")
+    view = job.wait_running(torchpassd, min_step=5)
+    assert wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(
+        "unplanned: every rank has a replica"), 30)
+    node = next(n for n in view["nodes"] if n != view["batch_host"])
+    victim = max(view["launchpads"][node]["workers"], key=lambda w: w["rank"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    mig = torchpassd.wait_migration(job.job, node, timeout=180)
+    assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and not mig["target"], mig
+    phases = {p["phase"]: p.get("detail", {}) for p in mig["phases"]}
+    assert phases["joiner_ready"]["in_place"] is True and phases["joiner_ready"]["ranks"] == [victim["rank"]], phases
+    assert sorted(torchpassd.job(job.job)["nodes"]) == sorted(view["nodes"])  # the same nodes
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"), killed=[victim["rank"]])
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
 
