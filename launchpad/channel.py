@@ -42,6 +42,7 @@ class WorkerLink:
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
     step_s: float | None = None  # its typical step time (a moving average over the step reports)
+    busy_s: float | None = None  # CPU its training thread wanted per step (a moving average; straggler signal)
     pong_at: float = field(default_factory=time.monotonic)  # its last answer to the watchdog's ping
     interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
     interrupted_at: float | None = None  # wall time of that report (torchpassd times its active abort by it)
@@ -102,6 +103,9 @@ class ChannelServer:
                 took = (now - link.step_at) / (msg["step"] - link.step)
                 link.step_s = took if link.step_s is None else STEP_AVERAGING * took + (1 - STEP_AVERAGING) * link.step_s
             link.step, link.step_at = msg["step"], now
+            busy = msg.get("busy")
+            if isinstance(busy, int | float) and not isinstance(busy, bool) and busy >= 0:
+                link.busy_s = busy if link.busy_s is None else STEP_AVERAGING * busy + (1 - STEP_AVERAGING) * link.busy_s
             link.registered = bool(msg.get("registered", link.registered))
             if "replicas" in msg:
                 link.replicas = msg["replicas"]

@@ -96,6 +96,7 @@ class ControlPlane:
                             "pid": w.pid, "joining": bool(lk and lk.joining),
                             **({"exit_code": w.returncode} if w.returncode is not None else {}),
                             **({"frozen_s": round(group.frozen[w.pid], 1)} if w.pid in group.frozen else {}),
+                            **({"busy_s": round(lk.busy_s, 5)} if lk and lk.busy_s is not None else {}),
                             **({"replicas": rank_ranges.compact(lk.replicas)} if lk and lk.replicas is not None else {}),
                             **({"registered": lk.interruption["registered"], "error": lk.interruption["error"],
                                 "interrupted_at": lk.interrupted_at}

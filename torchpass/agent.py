@@ -18,7 +18,17 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from torchpass import criu_park, ddp_layout, default_group, group_identity, handover, layout, recovery, steps
+from torchpass import (
+    busy_time,
+    criu_park,
+    ddp_layout,
+    default_group,
+    group_identity,
+    handover,
+    layout,
+    recovery,
+    steps,
+)
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError, WorkerError
@@ -58,6 +68,7 @@ class Agent:
         self._armed: tuple[int, list[Any]] | None = None  # (gen, hooks) waiting for the next forward
         self._forwardless = False  # a step ran without any module forward: park at the step boundary
         self._layout_sent = False
+        self._busy = busy_time.BusyMeter()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +126,8 @@ class Agent:
         if self._wake or registered != last_registered or now - last_at >= REPORT_EVERY_S:
             self._reported = (now, registered)
             report = {"t": ac.STEP, "step": step, "registered": registered}
+            if (busy := self._busy.per_step(step)) is not None:  # CPU it wanted a step: the straggler signal
+                report["busy"] = busy
             if not self._layout_sent:  # once: which ranks hold this rank's state (torchpassd's donors)
                 self._layout_sent, report["replicas"] = True, self._replicas()
             self.send(report)

@@ -42,7 +42,8 @@ _HEADER = struct.Struct(">I")
 # worker -> agent
 HELLO = "hello"
 STEP = "step"  # also says "registered": whether the script called torchpass.register(save, load),
-# and once "replicas": the ranks holding the same state as this one (None: unknown), torchpass/layout.py
+# and once "replicas": the ranks holding the same state as this one (None: unknown), torchpass/layout.py;
+# "busy": the CPU seconds its training thread wanted per step since the last report (torchpass/busy_time.py)
 PAUSED = "paused"
 PAUSE_MISSED = "pause_missed"
 SAVED = "saved"

@@ -124,6 +124,25 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class StragglerConfig:
+    """Straggler migration (opt-in): a node whose ranks want ``ratio`` times the CPU a step that the
+    other nodes of the job want (their median), for ``steps`` steps in a row, is migrated like a
+    drain, at most once per job every ``cooldown`` seconds (torchpassd/straggler.py)."""
+
+    enabled: bool = False
+    ratio: float = 1.5
+    steps: int = 50
+    cooldown: float = 600.0
+
+    def validate(self) -> None:
+        if self.ratio <= 1.0:
+            raise ConfigError(f"straggler.ratio must be above 1 (1.5: half as slow again), got {self.ratio}")
+        if self.steps < 1 or self.cooldown < 0:
+            raise ConfigError(f"straggler.steps must be at least 1 and straggler.cooldown not negative, "
+                              f"got {self.steps} and {self.cooldown}")
+
+
+@dataclass(frozen=True)
 class FaultsConfig:
     """Fault injection for drills and tests, set by the operator in the site config (never by a
     job): ``criu = "dump"`` makes every CRIU dump fail (criu refuses the worker's live TCP
@@ -146,6 +165,7 @@ class Config:
     wormhole: WormholeConfig = field(default_factory=WormholeConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     health: HealthConfig = field(default_factory=HealthConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     source: str | None = None
 

@@ -41,6 +41,7 @@ from torchpassd.metrics import Metrics, MetricsServer
 from torchpassd.registry import JobView, Registry
 from torchpassd.report_gate import ReportGate
 from torchpassd.retained import RetainedStates
+from torchpassd.straggler import StragglerWatch
 
 RETRY_AFTER_S = 5.0  # a rolled-back or blocked migration is retried no sooner than this
 
@@ -348,6 +349,7 @@ class Reports:
     commander: Commander
     metrics: Metrics
     health: HealthWatch
+    straggler: StragglerWatch
     detector: FailureDetector
 
     async def pump(self, client: mqtt.ControlClient) -> None:
@@ -371,10 +373,12 @@ class Reports:
             if msg.kind == protocol.HEARTBEAT:
                 self.metrics.heartbeat_seen(msg.job, node)
                 await self.health.on_heartbeat(msg.job, node, msg.body)
+                await self.straggler.on_heartbeat(msg.job, node, msg.body)
 
 
-async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch, gate: ReportGate,
-                 retained: RetainedStates, accounts: broker_auth.JobAccounts | None = None) -> None:
+async def _watch(watcher: Watcher, orch: Orchestrator, reports: Reports, retained: RetainedStates,
+                 accounts: broker_auth.JobAccounts | None = None) -> None:
+    health, gate = reports.health, reports.gate
     async for e in watcher.events():
         if accounts is not None:
             accounts.on_slurm(e)  # a job's broker account lives as long as the job
@@ -382,6 +386,7 @@ async def _watch(watcher: Watcher, orch: Orchestrator, health: HealthWatch, gate
             health.node_returned(e.node)
         elif isinstance(e, ev.JobEnded):
             health.job_ended(str(e.job))
+            reports.straggler.job_ended(str(e.job))
             gate.forget(str(e.job))
             view = orch.d.registry.jobs.get(str(e.job))  # every node a launchpad of it was on
             retained.clear(str(e.job), {*e.nodes, *(view.nodes if view else ()), *(view.launchpads if view else ())})
@@ -455,7 +460,8 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
         retained = RetainedStates(client)
         gate = ReportGate(lambda: watcher.last or boot, orch.moving, metrics.reports_refused_total,
                           lambda job, node: retained.clear(job, (node,)))
-        reports = Reports(gate, registry, commander, metrics, health, orch.unplanned.detector)
+        straggler = StragglerWatch(cfg.straggler, journal, migrate=orch.request, counter=metrics.stragglers_total)
+        reports = Reports(gate, registry, commander, metrics, health, straggler, orch.unplanned.detector)
         tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,
@@ -466,7 +472,7 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
             await client.wait_connected(mqtt.PUBLISH_TIMEOUT)
             await asyncio.to_thread(resizer.reconcile_grants)  # before anything may grant again
             await orch.recover()
-            tasks += [asyncio.create_task(_watch(watcher, orch, health, gate, retained, accounts)),
+            tasks += [asyncio.create_task(_watch(watcher, orch, reports, retained, accounts)),
                       asyncio.create_task(_tick(orch, reports, cfg.timeouts.heartbeat_interval))]
             sdnotify.ready(f"watching Slurm through {slurm.name}")
             tasks.append(asyncio.create_task(sdnotify.broker_status_loop(lambda: client.connected, slurm.name)))

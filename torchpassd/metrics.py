@@ -114,6 +114,9 @@ class Metrics:
             r, "torchpass_credentials_refused_total",
             "Requests for a job's broker account refused: over the rate, malformed, or a proof that does not hold.",
             ("reason",))
+        self.stragglers_total = Counter(
+            r, "torchpass_stragglers_total",
+            "Nodes migrated as stragglers: their ranks wanted [straggler] ratio x the CPU a step of the job's others.")
         self._last_heartbeat: dict[tuple[str, str], float] = {}
         self.spares_free.set(0)
         self.jobs_tracked.set(0)
