@@ -271,14 +271,20 @@ class Commands:
 
     async def abort(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Give up ``migration``: stop the joiners it started, resume paused workers in the
-        current generation."""
+        current generation. With ``hold``, a joiner that was rebuilding a crashed rank in place is
+        killed so that its rank is held as crashed again: the next recovery is decided from it."""
         group = self.agent.group
-        stopped = []
+        stopped, held = [], []
         for pid in self.joiners.pop(migration, []):
-            if group is not None and (w := group.workers.get(pid)) is not None:
-                group.told_to_exit.add(pid)  # stopped on purpose: not a crash to hold
-                await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
-                stopped.append(w.rank)
+            if group is None or (w := group.workers.get(pid)) is None:
+                continue
+            if args.get("hold") and pid in group.rebuilding:
+                await w.stop(signal.SIGKILL, 0.0)  # a signal death, not told to exit: held (group.py)
+                held.append(w.rank)
+                continue
+            group.told_to_exit.add(pid)  # stopped on purpose: not a crash to hold
+            await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
+            stopped.append(w.rank)
         paused = [lk for lk in self.agent.channel.links.values() if lk.state == WorkerState.PAUSED and lk.connected and not lk.joining]
         if paused:
             cur = self.agent.gen
@@ -291,7 +297,7 @@ class Commands:
             if group is not None:
                 group.told_to_exit.update(lk.pid for lk in recovering)
             await asyncio.gather(*(lk.chan.send(ac.message(ac.EXIT)) for lk in recovering))
-        return {"stopped_joiners": stopped, "resumed": sorted(lk.rank for lk in paused),
+        return {"stopped_joiners": stopped, "held": held, "resumed": sorted(lk.rank for lk in paused),
                 "interrupted": sorted(lk.rank for lk in recovering), "exited": bool(args.get("exit") and recovering)}
 
     async def exit(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:

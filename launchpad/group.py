@@ -83,6 +83,7 @@ class WorkerGroup:
         self.held: dict[int, float] = {}  # pid of a held crashed worker -> when it crashed (loop time)
         self.on_held = on_held  # e.g. an immediate heartbeat, so torchpassd hears of the crash at once
         self.frozen: dict[int, float] = {}  # pid -> seconds it was frozen when the watchdog killed it
+        self.rebuilding: set[int] = set()  # pids of joiners that took a held crashed worker's place
         self.hold = movable.restore_target()
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
@@ -115,7 +116,10 @@ class WorkerGroup:
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
             agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
-        return await self._add(rank, local_rank, env)
+        w = await self._add(rank, local_rank, env)
+        if crashed is not None:
+            self.rebuilding.add(w.pid)
+        return w
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
         try:

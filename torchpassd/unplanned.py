@@ -545,7 +545,8 @@ class UnplannedRecovery(Flow):
     async def fail(self, reason: str, *, survivors_exit: bool = True) -> str:
         """The job cannot be recovered: say why everywhere, let the spares go, and tell the
         parked survivors to exit (the job ends; restart it from its last checkpoint). Without
-        ``survivors_exit`` they stay parked for another attempt."""
+        ``survivors_exit`` they stay parked for another attempt, and a rank being rebuilt in place
+        is held as crashed again (its joiner stopped), so the next attempt is decided from it."""
         p = self.plan
         self.failure = reason
         self.log.error("unplanned.failed", error=reason)
@@ -553,6 +554,11 @@ class UnplannedRecovery(Flow):
         if not p.recover_sent:
             for t in p.targets:
                 problems += await self._drop_target(t)
+            if not survivors_exit:
+                results = await asyncio.gather(*(self.send(n, "abort", p.gen, {"hold": True}, timeout=self.t.reform)
+                                                 for n in p.in_place), return_exceptions=True)
+                problems += [f"{n}: {r}" for n, r in zip(p.in_place, results, strict=True)
+                             if isinstance(r, BaseException)]
         if survivors_exit:
             results = await asyncio.gather(*(self.send(n, "abort", p.gen, {"exit": True}, timeout=self.t.reform)
                                              for n in p.survivors), return_exceptions=True)

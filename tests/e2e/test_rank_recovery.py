@@ -33,11 +33,12 @@ def _running(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdi
 
 
 def _assert_rebuilt_in_place(torchpassd: Daemon, devcluster: DevCluster, workdir: Path, job: Training, node: str,
-                             victim: dict, offset: int) -> dict:
+                             victim: dict, offset: int, skip: int = 0) -> dict:
     """The rank came back on its own node (no spare), every survivor was freed by the active abort,
-    and the job ended COMPLETED 0:0 with the rank's losses and parameters as undisturbed."""
+    and the job ended COMPLETED 0:0 with the rank's losses and parameters as undisturbed. ``skip``:
+    earlier recoveries off the node to pass over (failed attempts)."""
     nodes_before = torchpassd.job(job.job)["nodes"]
-    mig = torchpassd.wait_migration(job.job, node, timeout=180)
+    mig = torchpassd.wait_migration(job.job, node, timeout=180, skip=skip)
     assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware", mig
     assert not mig["target"], mig  # no spare: the rank was rebuilt where it ran
     assert sorted(torchpassd.job(job.job)["nodes"]) == sorted(nodes_before)  # the same nodes, nothing resized
@@ -80,3 +81,21 @@ def test_a_frozen_rank_is_found_by_the_watchdog_and_rebuilt_in_place(
     os.kill(victim["pid"], signal.SIGSTOP)
     phases = _assert_rebuilt_in_place(torchpassd, devcluster, workdir, job, node, victim, offset)
     assert "frozen" in " ".join(phases["detected"]["evidence"]), phases["detected"]
+
+
+@pytest.mark.matrix
+def test_torchpassd_killed_while_a_rank_is_rebuilt_in_place_then_restarted(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """torchpassd SIGKILLed after it started the crashed rank's joiner on its node, and started again:
+    the attempt is failed by the restart and the joiner aborted so that launchpad holds the rank as
+    crashed again; the crash is decided afresh and the rank rebuilt in place; COMPLETED, bit-identical."""
+    job, node, victim = _running(torchpassd, devcluster, tp_config, workdir)
+    offset = job.log.stat().st_size
+    os.kill(victim["pid"], signal.SIGKILL)
+    torchpassd.wait_phase(job.job, ("joiner_ready", "interrupted"), timeout=60)
+    torchpassd.stop(signal.SIGKILL)
+    torchpassd.start()
+    first = torchpassd.wait_migration(job.job, node, timeout=120)
+    assert first["status"] == "failed" and "torchpassd restarted" in first["error"], first
+    phases = _assert_rebuilt_in_place(torchpassd, devcluster, workdir, job, node, victim, offset, skip=1)
+    assert "killed by signal SIGKILL" in " ".join(phases["detected"]["evidence"]), phases["detected"]

@@ -9,10 +9,12 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from launchpad import workers
+from launchpad.commands import Commands
 from launchpad.group import Outcome, WorkerGroup, join_plan
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
@@ -203,3 +205,54 @@ def test_the_only_worker_of_a_node_crashing_is_held_too(tmp_path: Path) -> None:
     out, seen = held_round(tmp_path, [KILLED], hold_s=10, replace=True)
     assert out.ok, out.describe()  # the round waited for the rebuild instead of ending with no worker left
     assert seen["held"] == [0] and seen["ranks_after"] == [0]
+
+
+def test_an_in_place_rebuild_given_up_by_a_restarted_torchpassd_is_held_as_a_crash_again(tmp_path: Path) -> None:
+    """torchpassd restarted mid-way through rebuilding rank 0 in place: its abort with ``hold`` kills
+    the joiner so that rank 0 is held as crashed again (a heartbeat at once), the next decision's
+    joiner takes its place, and the round ends ok."""
+    spec = LaunchSpec(entrypoint=sys.executable, args=(), no_python=True, grace_period=5.0)
+    beats: list[int] = []
+
+    async def main() -> tuple[Outcome, dict, list[int]]:
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path=str(tmp_path / "agent.sock"), hold_s=10,
+                            on_held=lambda: beats.append(len(group.held)))
+        for rank, code in enumerate([KILLED, "import time; time.sleep(3)"]):
+            script = tmp_path / f"worker{rank}.py"
+            script.write_text(code)
+            group.adopt(await workers.spawn(dataclasses.replace(spec, args=(str(script),)), group.router, rank, rank, {}))
+        cmds = Commands.__new__(Commands)
+        cmds.agent = SimpleNamespace(node="n1", group=group, gen=1, spec=spec, channel=SimpleNamespace(links={}))
+        cmds.joiners = {}
+
+        async def torchpassd() -> tuple[dict, list[int]]:
+            while not group.held:
+                await asyncio.sleep(0.05)
+            waiting = tmp_path / "waiting.py"
+            waiting.write_text("import time; time.sleep(30)")  # a joiner waiting for its state
+            group.spec = dataclasses.replace(spec, args=(str(waiting),))
+            first = await group.add_joiner(0, 2, TransferAddress("127.0.0.1", 1, b"\0"))
+            cmds.joiners["m1"] = [first.pid]
+            acked = await cmds.abort({"hold": True}, 1, "m1")  # the restarted torchpassd's fail()
+            while first.pid not in group.held:
+                await asyncio.sleep(0.05)
+            done = tmp_path / "done.py"
+            done.write_text("import time; time.sleep(1)")
+            group.spec = dataclasses.replace(spec, args=(str(done),))
+            second = await group.add_joiner(0, 2, TransferAddress("127.0.0.1", 1, b"\0"))  # the new decision's
+            return acked, [first.pid, second.pid]
+
+        task = asyncio.create_task(torchpassd())
+        out = await asyncio.wait_for(group.supervise(asyncio.Event(), lambda: None, no_remote, 0.05), 30)
+        acked, pids = await task
+        await group.stop()
+        return out, acked, pids
+
+    async def no_remote() -> str | None:
+        return None
+
+    out, acked, (first, second) = asyncio.run(main())
+    assert out.ok, out.describe()
+    assert acked["held"] == [0] and acked["stopped_joiners"] == [], acked
+    assert beats == [1, 1], beats  # torchpassd heard of each crash at once: the kill, then the aborted rebuild
+    assert first != second

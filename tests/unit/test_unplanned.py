@@ -467,6 +467,26 @@ def test_restart_before_the_hand_over_fails_the_attempt_but_keeps_survivors_park
     w.close()
 
 
+def test_restart_mid_rebuild_in_place_holds_the_rank_as_crashed_again(tmp_path: Path) -> None:
+    """Rank 2 was being rebuilt on its own node n3 when torchpassd restarted: the attempt fails, the
+    survivors stay parked, and n3's launchpad is told to abort it with ``hold`` (its joiner killed,
+    rank 2 held as crashed again), so the restarted failure detector decides the crash afresh."""
+    from torchpassd.unplanned import resume_after_restart
+
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+        p = rec.plan
+        p.survivors, p.seats = ["n1", "n2", "n3", "n4"], [{"node": "n3", "ranks": [2], "in_place": True}]
+        return await resume_after_restart(rec, "joiner_ready")
+    assert asyncio.run(go()) == jn.FAILED
+    aborts = [(n, a) for n, c, _, a in w.commander.sent if c == "abort"]
+    assert aborts == [("n3", {"hold": True})], aborts  # no one told to exit: everyone waits for the next attempt
+    w.close()
+
+
 def test_restart_after_the_hand_over_drives_forward(tmp_path: Path) -> None:
     from torchpassd.unplanned import resume_after_restart
 
