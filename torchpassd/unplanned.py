@@ -617,9 +617,12 @@ class Driver:
 
     def on_death(self, death: Death) -> None:
         self.d.metrics.failure_detect_seconds.observe(death.detect_s)
-        if death.job in self.running:
-            self.running[death.job].another_death(death)
+        flow = self.running.get(death.job)
+        if flow is not None and flow.failure is None:
+            flow.another_death(death)
             return
+        # none runs, or the one running is failing (e.g. given up by a restart, whose abort makes an
+        # in-place rank crash again right now): this death waits for the next recovery
         self.dead.setdefault(death.job, {})[death.node] = death
         if death.in_place:
             self._count_crash(death)
@@ -666,6 +669,9 @@ class Driver:
 
     def kick(self) -> None:
         for job, deaths in list(self.dead.items()):
+            if job in self.given_up:  # its recovery failed: the job is ending
+                self.dead.pop(job)
+                continue
             view = self.d.registry.job(job)
             for node in [n for n in deaths if view.nodes and n not in view.nodes]:
                 deaths.pop(node)  # it left the job meanwhile (a migration's spare let go): nothing to recover

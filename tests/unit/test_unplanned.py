@@ -681,3 +681,33 @@ def test_a_node_whose_workers_keep_crashing_is_drained_so_its_ranks_move(tmp_pat
     assert argv[:3] == ["scontrol", "update", "nodename=n3"] and "state=drain" in argv
     assert any("3 worker crashes" in a for a in argv), argv
     w.close()
+
+
+def test_a_death_decided_while_the_running_recovery_fails_waits_for_the_next_one(tmp_path: Path) -> None:
+    """A restarted torchpassd fails the attempt it found and aborts it with ``hold``: the rank crashes
+    again on its node at once, before that failure is over. That death is not given to the failing
+    recovery (it would be lost with it) but waits, and the next kick starts a recovery for it; a
+    death during a recovery that still runs is that recovery's (a second failure)."""
+    from torchpassd.unplanned import Driver
+
+    w = World(tmp_path, [])
+
+    async def go() -> tuple[list, dict, list]:
+        await w.setup()
+        orch = FakeOrch(w.deps)
+        driver = orch.unplanned = Driver(orch, lambda: True)
+        running = w.recovery()
+        driver.running["7"], orch.active["7"] = running, "its task"
+        driver.on_death(_crash("n2", 3))  # the recovery runs: its second failure
+        taken = list(running._more)
+        running.failure = "torchpassd restarted during phase joiner_ready, before the hand-over"
+        driver.on_death(_crash("n3", 2))  # it is failing: the death waits
+        waiting = {job: dict(deaths) for job, deaths in driver.dead.items()}
+        del driver.running["7"], orch.active["7"]
+        driver.kick()
+        await asyncio.sleep(0.1)
+        return taken, waiting, orch.spawned
+    taken, waiting, spawned = asyncio.run(go())
+    assert [d.node for d in taken] == ["n2"]
+    assert list(waiting["7"]) == ["n3"] and spawned == ["7"]
+    w.close()
