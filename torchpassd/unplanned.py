@@ -494,6 +494,25 @@ class UnplannedRecovery(Flow):
         await self.phase(RECOVERED, recover_s=round(time.time() - started, 3), bytes=donor.get("bytes"),
                          transfer_s=donor.get("seconds"))
 
+    def _rejoin_states(self) -> list[str]:
+        """The states of every worker of the recovery's nodes but crashed ones, as heartbeats show them."""
+        view, p = self.view(), self.plan
+        return [w.get("state") for n in dict.fromkeys([*p.survivors, *p.targets, *p.in_place])
+                for w in (view.launchpads[n].workers if n in view.launchpads else ()) if w.get("state") != CRASHED]
+
+    async def rejoined_after_restart(self) -> bool:
+        """Whether the survivors got ``recover`` before torchpassd was restarted in the interrupted
+        phase (a worker re-entered and loaded its state: joined); if so, wait (up to the decision
+        timeout) until every worker has, for the hand-over is then done without torchpassd."""
+        if not any(s in (WorkerState.JOINED, WorkerState.REFORMED) for s in self._rejoin_states()):
+            return False
+        self.plan.recover_sent = True
+        await self.d.registry.wait_for(
+            lambda: True if all(s in (WorkerState.JOINED, WorkerState.REFORMED) for s in self._rejoin_states())
+            else None, self.t.decision, "every worker to load its state after the restart", **self.where)
+        await self.phase(RECOVERED, after_restart=True)
+        return True
+
     async def finish(self) -> str:
         """From the hand-over on: form generation G+1 with the joiner(s), resume at the failed
         step, release the dead node(s). Also used by a restarted torchpassd."""
@@ -573,6 +592,12 @@ async def resume_after_restart(rec: UnplannedRecovery, phase: str) -> str:
     """A recovery a previous torchpassd left in ``phase``: before the hand-over the joiners it
     started are gone with its steps and the survivors are still parked, so it fails (the failure
     detector decides again and a new recovery starts from the evidence); after it, drive forward."""
+    if phase == INTERRUPTED_ALL:
+        try:
+            if await rec.rejoined_after_restart():  # recover was sent before the restart
+                return await rec.finish()
+        except TorchPassError as exc:
+            return await rec.fail(f"torchpassd restarted while the survivors recovered, and they did not: {exc}")
     if phase in BEFORE_RECOVER:
         return await rec.fail(f"torchpassd restarted during phase {phase}, before the hand-over; "
                               "the failure is decided again from the evidence", survivors_exit=False)

@@ -487,6 +487,32 @@ def test_restart_mid_rebuild_in_place_holds_the_rank_as_crashed_again(tmp_path: 
     w.close()
 
 
+def test_restart_right_after_recover_was_sent_drives_forward(tmp_path: Path) -> None:
+    """torchpassd killed between sending ``recover`` and journaling ``recovered``: the journal says
+    "interrupted", but the workers have re-entered and loaded their state (joined) without it. The
+    restarted torchpassd sees that, waits for every worker, and finishes (re-form, resume) instead
+    of failing an attempt whose hand-over is done."""
+    from torchpassd.unplanned import resume_after_restart
+
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        for i, n in ((0, "n1"), (1, "n2"), (3, "n4"), (2, "n5")):
+            await w.registry.on_message(n, _hb(n, i, 42, "joined", joining=n == "n5"))
+        rec = w.recovery()
+        p = rec.plan
+        p.survivors, p.seats, p.resume_step = ["n1", "n2", "n4"], [
+            {"node": "n3", "rank": 2, "ranks": [2], "target": "n5", "target_addr": "127.0.0.1"}], 42
+        return await resume_after_restart(rec, "interrupted")
+    assert asyncio.run(go()) == jn.SUCCEEDED, w.journal.history()[0].error
+    cmds = [c for _, c, _, _ in w.commander.sent]
+    assert cmds.count("reform") == cmds.count("resume") == 4 and "abort" not in cmds and "recover" not in cmds
+    phases = [ph.phase for ph in w.journal.history()[0].phases]
+    assert phases[-4:] == ["recovered", "reformed", "resumed", "released"], phases
+    w.close()
+
+
 def test_restart_after_the_hand_over_drives_forward(tmp_path: Path) -> None:
     from torchpassd.unplanned import resume_after_restart
 
