@@ -503,7 +503,14 @@ class UnplannedRecovery(Flow):
     async def rejoined_after_restart(self) -> bool:
         """Whether the survivors got ``recover`` before torchpassd was restarted in the interrupted
         phase (a worker re-entered and loaded its state: joined); if so, wait (up to the decision
-        timeout) until every worker has, for the hand-over is then done without torchpassd."""
+        timeout) until every worker has, for the hand-over is then done without torchpassd. Judged
+        from heartbeats sent after this call began (what was retained may predate the recover)."""
+        p, since = self.plan, time.monotonic()
+        nodes = list(dict.fromkeys([*p.survivors, *p.in_place]))
+        with contextlib.suppress(MigrationError):  # a node that stays silent: judged on what there is
+            await self.d.registry.wait_for(lambda: True if all(
+                (lp := self.view().launchpads.get(n)) is not None and (lp.last_heartbeat or 0.0) > since
+                for n in nodes) else None, 3 * self.t.heartbeat_interval, "a heartbeat from every survivor")
         if not any(s in (WorkerState.JOINED, WorkerState.REFORMED) for s in self._rejoin_states()):
             return False
         self.plan.recover_sent = True

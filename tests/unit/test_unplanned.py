@@ -496,15 +496,25 @@ def test_restart_right_after_recover_was_sent_drives_forward(tmp_path: Path) -> 
 
     w = World(tmp_path, ["n5"])
 
+    async def heartbeats(state: str) -> None:
+        for i, n in ((0, "n1"), (1, "n2"), (3, "n4"), (2, "n5")):
+            await w.registry.on_message(n, _hb(n, i, 42, state, joining=n == "n5"))
+
     async def go() -> str:
         await w.setup()
-        for i, n in ((0, "n1"), (1, "n2"), (3, "n4"), (2, "n5")):
-            await w.registry.on_message(n, _hb(n, i, 42, "joined", joining=n == "n5"))
+        await heartbeats("interrupted")  # what the restarted torchpassd heard first: from before the recover
         rec = w.recovery()
         p = rec.plan
         p.survivors, p.seats, p.resume_step = ["n1", "n2", "n4"], [
             {"node": "n3", "rank": 2, "ranks": [2], "target": "n5", "target_addr": "127.0.0.1"}], 42
-        return await resume_after_restart(rec, "interrupted")
+
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            await heartbeats("joined")  # the next heartbeats: every worker re-entered and loaded
+        beat = asyncio.create_task(later())
+        status = await resume_after_restart(rec, "interrupted")
+        await beat
+        return status
     assert asyncio.run(go()) == jn.SUCCEEDED, w.journal.history()[0].error
     cmds = [c for _, c, _, _ in w.commander.sent]
     assert cmds.count("reform") == cmds.count("resume") == 4 and "abort" not in cmds and "recover" not in cmds
