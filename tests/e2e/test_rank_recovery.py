@@ -86,9 +86,11 @@ def test_a_frozen_rank_is_found_by_the_watchdog_and_rebuilt_in_place(
 @pytest.mark.matrix
 def test_torchpassd_killed_while_a_rank_is_rebuilt_in_place_then_restarted(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
-    """torchpassd SIGKILLed after it started the crashed rank's joiner on its node, and started again:
-    the attempt is failed by the restart and the joiner aborted so that launchpad holds the rank as
-    crashed again; the crash is decided afresh and the rank rebuilt in place; COMPLETED, bit-identical."""
+    """torchpassd SIGKILLed while it rebuilds a crashed rank on its node, and started again. If the
+    survivors had not been sent ``recover`` yet, the attempt fails and its joiner is aborted so that
+    launchpad holds the rank as crashed again: the crash is decided afresh and rebuilt in place. If
+    they had, the restarted torchpassd sees them re-entered (joined) and finishes the attempt. Either
+    way: COMPLETED, bit-identical."""
     job, node, victim = _running(torchpassd, devcluster, tp_config, workdir)
     offset = job.log.stat().st_size
     os.kill(victim["pid"], signal.SIGKILL)
@@ -96,6 +98,8 @@ def test_torchpassd_killed_while_a_rank_is_rebuilt_in_place_then_restarted(
     torchpassd.stop(signal.SIGKILL)
     torchpassd.start()
     first = torchpassd.wait_migration(job.job, node, timeout=120)
-    assert first["status"] == "failed" and "torchpassd restarted" in first["error"], first
-    phases = _assert_rebuilt_in_place(torchpassd, devcluster, workdir, job, node, victim, offset, skip=1)
+    assert first["status"] == "succeeded" or "torchpassd restarted" in (first["error"] or ""), first
+    skip = 0 if first["status"] == "succeeded" else 1
+    phases = _assert_rebuilt_in_place(torchpassd, devcluster, workdir, job, node, victim, offset, skip=skip)
     assert "killed by signal SIGKILL" in " ".join(phases["detected"]["evidence"]), phases["detected"]
+    print(f"restart outcome: {'finished by the restarted torchpassd' if skip == 0 else 'failed, then rebuilt again'}")
