@@ -144,7 +144,9 @@ def _transparent_job(devcluster: DevCluster, tp_config: Path, workdir: Path, dae
 @pytest.mark.criu
 @pytest.mark.parametrize(("fault", "phase"), [("kill -9 torchpassd", "joiner_ready"),
                                               ("kill -9 torchpassd", "handed_over"),
-                                              ("broker stopped 60 s", "joiner_ready")])
+                                              ("broker stopped 60 s", "joiner_ready")],
+                         ids=["torchpassd-killed-at-joiner_ready", "torchpassd-killed-at-handed_over",
+                              "broker-down-at-joiner_ready"])  # no spaces: the ids name the job's directory
 def test_a_fault_during_a_transparent_migration(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path,
                                                 workdir: Path, reference, criu: None,  # noqa: ANN001
                                                 fault_matrix: FaultMatrix, fault: str, phase: str) -> None:

@@ -104,16 +104,23 @@ def test_transparent_drain_of_an_fsdp2_job_moves_its_worker_processes_and_ends_c
     assert_every_line_once(job)
 
 
-@pytest.mark.faults
-def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
-        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
-    """HSDP keeps a whole replica on each node: the dead node's shards come from the ranks at the
-    same shard position on the other node (the layout the workers reported), bit-identically."""
+def hsdp_training(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path
+                  ) -> tuple[Training, dict]:
+    """An HSDP job training, once torchpassd knows every rank has a replica; and its view."""
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
                    script=EXAMPLE, args="--mesh hsdp")
     view = job.wait_running(torchpassd, min_step=5)
     assert wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(
         "unplanned: every rank has a replica"), 30)
+    return job, view
+
+
+@pytest.mark.faults
+def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """HSDP keeps a whole replica on each node: the dead node's shards come from the ranks at the
+    same shard position on the other node (the layout the workers reported), bit-identically."""
+    job, view = hsdp_training(torchpassd, devcluster, tp_config, workdir)
     victim = next(n for n in view["nodes"] if n != view["batch_host"])
     lost = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
     devcluster.kill_node(victim)
@@ -133,11 +140,7 @@ def test_an_hsdp_worker_killed_on_a_healthy_node_is_rebuilt_in_place_from_its_re
     """kill -9 of one HSDP rank (an OOM kill, a segfault): no spare, no resize; its shard comes from
     the rank at the same shard position in the other replica group, it restarts on its own node,
     and the job ends COMPLETED 0:0, bit-identical."""
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                   script=EXAMPLE, args="--mesh hsdp")
-    view = job.wait_running(torchpassd, min_step=5)
-    assert wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(
-        "unplanned: every rank has a replica"), 30)
+    job, view = hsdp_training(torchpassd, devcluster, tp_config, workdir)
     node = next(n for n in view["nodes"] if n != view["batch_host"])
     victim = max(view["launchpads"][node]["workers"], key=lambda w: w["rank"])
     os.kill(victim["pid"], signal.SIGKILL)
