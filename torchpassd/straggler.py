@@ -26,16 +26,22 @@ STALE_S = 10.0  # a node's last report older than this is left out of the job's 
 MigrateFn = Callable[[str, str, str], None]  # (job, node, reason)
 
 
+def others_median(busy: Mapping[str, float], node: str) -> float:
+    """The median of the other nodes' ``busy`` (0 when there is no other node)."""
+    others = [v for n, v in busy.items() if n != node]
+    return statistics.median(others) if others else 0.0
+
+
+def is_slow(busy: Mapping[str, float], node: str, ratio: float) -> bool:
+    """``node`` wants at least ``ratio`` times the CPU a step of the median of the other nodes (a
+    job needs two nodes with a positive median to compare)."""
+    median = others_median(busy, node)
+    return median > 0 and busy[node] >= ratio * median
+
+
 def slow_nodes(busy: Mapping[str, float], ratio: float) -> dict[str, float]:
-    """Each node whose ``busy`` (wanted CPU seconds a step) is at least ``ratio`` times the median
-    of the other nodes' -> that factor. A job needs two nodes with a positive median to compare."""
-    out = {}
-    for node, mine in busy.items():
-        others = [v for n, v in busy.items() if n != node]
-        median = statistics.median(others) if others else 0.0
-        if median > 0 and mine >= ratio * median:
-            out[node] = mine / median
-    return out
+    """Each slow node (``is_slow``) -> its factor over the median of the others."""
+    return {node: busy[node] / others_median(busy, node) for node in busy if is_slow(busy, node, ratio)}
 
 
 @dataclass(frozen=True)
@@ -87,15 +93,14 @@ class StragglerWatch:
         seen[node] = _Seen(float(max(busy)), min(steps), now)
         fresh = {n: s.busy_s for n, s in seen.items() if now - s.at <= STALE_S}
         slow_from = self._slow_from.setdefault(job, {})
-        if node not in slow_nodes(fresh, self.cfg.ratio):
+        if not is_slow(fresh, node, self.cfg.ratio):  # only the sender is judged: O(nodes) a heartbeat
             slow_from.pop(node, None)
             return None
         since = slow_from.setdefault(node, seen[node].step)
         cooling = now - self._acted_at[job] < self.cfg.cooldown if job in self._acted_at else False
         if seen[node].step - since < self.cfg.steps or cooling:
             return None
-        median = statistics.median(v for n, v in fresh.items() if n != node)
-        decision = Straggler(job, node, fresh[node], median, seen[node].step - since)
+        decision = Straggler(job, node, fresh[node], others_median(fresh, node), seen[node].step - since)
         self._acted_at[job] = now
         slow_from.clear()
         await self._act(decision)
