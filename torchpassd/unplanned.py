@@ -76,6 +76,11 @@ class UnplannedPlan(Plan):
         return [s["node"] for s in self.seats if s.get("in_place")]
 
     @property
+    def members(self) -> list[str]:
+        """The nodes of the next generation: survivors, spares taking lost ranks, nodes rebuilding in place."""
+        return list(dict.fromkeys([*self.survivors, *self.targets, *self.in_place]))
+
+    @property
     def lost_ranks(self) -> set[int]:
         return {r for s in self.seats for r in s.get("ranks") or [s["rank"]]}
 
@@ -497,7 +502,7 @@ class UnplannedRecovery(Flow):
     def _rejoin_states(self) -> list[str]:
         """The states of every worker of the recovery's nodes but crashed ones, as heartbeats show them."""
         view, p = self.view(), self.plan
-        return [w.get("state") for n in dict.fromkeys([*p.survivors, *p.targets, *p.in_place])
+        return [w.get("state") for n in p.members
                 for w in (view.launchpads[n].workers if n in view.launchpads else ()) if w.get("state") != CRASHED]
 
     async def rejoined_after_restart(self) -> bool:
@@ -524,7 +529,7 @@ class UnplannedRecovery(Flow):
         """From the hand-over on: form generation G+1 with the joiner(s), resume at the failed
         step, release the dead node(s). Also used by a restarted torchpassd."""
         p = self.plan
-        members = list(dict.fromkeys([*p.survivors, *p.targets, *p.in_place]))
+        members = p.members
         try:
             await self._absorb()
             await asyncio.gather(*(self.send(n, "reform", p.new_gen, self._reform_args(p.new_gen)) for n in members))
@@ -581,18 +586,19 @@ class UnplannedRecovery(Flow):
             for t in p.targets:
                 problems += await self._drop_target(t)
             if not survivors_exit:
-                results = await asyncio.gather(*(self.send(n, "abort", p.gen, {"hold": True}, timeout=self.t.reform)
-                                                 for n in p.in_place), return_exceptions=True)
-                problems += [f"{n}: {r}" for n, r in zip(p.in_place, results, strict=True)
-                             if isinstance(r, BaseException)]
+                problems += await self._abort_on(p.in_place, {"hold": True})
         if survivors_exit:
-            results = await asyncio.gather(*(self.send(n, "abort", p.gen, {"exit": True}, timeout=self.t.reform)
-                                             for n in p.survivors), return_exceptions=True)
-            problems += [f"{n}: {r}" for n, r in zip(p.survivors, results, strict=True)
-                         if isinstance(r, BaseException)]
+            problems += await self._abort_on(p.survivors, {"exit": True})
         self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
         await self.phase(FAILED, jn.FAILED, error=reason, problems=problems)
         return jn.FAILED
+
+
+    async def _abort_on(self, nodes: list[str], args: dict[str, Any]) -> list[str]:
+        """Send ``abort`` with ``args`` to ``nodes`` side by side; the problems, one per node that failed."""
+        results = await asyncio.gather(*(self.send(n, "abort", self.plan.gen, args, timeout=self.t.reform)
+                                         for n in nodes), return_exceptions=True)
+        return [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
 
 
 async def resume_after_restart(rec: UnplannedRecovery, phase: str) -> str:
