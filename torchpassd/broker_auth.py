@@ -28,6 +28,7 @@ from torchpass_common import log, mqtt, protocol
 from torchpass_common.config import BrokerConfig, Config
 from torchpass_common.errors import ConfigError, TorchPassError
 from torchpass_common.job_credentials import CredentialServer, JobFacts
+from torchpass_common.tasks import cancel_all
 from torchpassd.broker_files import CONTROL_TOPIC, acls, write_broker_files
 from torchpassd.broker_tls import make_broker_tls
 from torchpassd.metrics import Counter
@@ -38,6 +39,10 @@ CALL_TIMEOUT = 10.0
 
 class BrokerAuthError(TorchPassError):
     """The broker's dynamic security plugin refused or did not answer a command."""
+
+
+class BrokerUnreachableError(BrokerAuthError):
+    """The broker did not answer at all (down, restarting, unreachable): worth trying again."""
 
 
 class BrokerAdmin:
@@ -51,6 +56,7 @@ class BrokerAdmin:
                               hint="set broker.username and broker.password_file (python -m torchpassd.broker_auth writes them)")
         self.cfg = cfg
         self._secret = self._load_secret(Path(secret_path))
+        self._pending: dict[str, asyncio.Task[None]] = {}  # job -> its account, made when the broker answers
         self.log = log.get()
 
     @staticmethod
@@ -98,8 +104,45 @@ class BrokerAdmin:
         self.log.info("broker.job_credentials_created", job=job, username=name, started=started)
         return name, password
 
+    async def issue(self, job: str, started: int) -> tuple[str, str]:
+        """``ensure_job``, except that a broker that does not answer (down for a restart) does not
+        refuse the job: its credentials are derived, so they are returned at once and the account is
+        made in the background once the broker answers. A launchpad started during a broker outage
+        (a joiner on a spare, a job starting) then connects when the broker is back instead of exiting."""
+        try:
+            return await self.ensure_job(job, started)
+        except BrokerUnreachableError as exc:
+            if job not in self._pending:
+                self.log.warning("broker.job_account_deferred", job=job, error=str(exc),
+                                 effect="the job's launchpads connect once the broker is back and the account made")
+                self._pending[job] = asyncio.create_task(self._ensure_later(job, started))
+            return self.username(job), self.password(job, started)
+
+    async def _ensure_later(self, job: str, started: int) -> None:
+        delay = 1.0
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    await self.ensure_job(job, started)
+                    return
+                except BrokerUnreachableError:
+                    delay = min(delay * 2, 30.0)
+                except TorchPassError as exc:
+                    self.log.error("broker.job_account_failed", job=job, error=str(exc))
+                    return
+        finally:
+            self._pending.pop(job, None)
+
+    async def close(self) -> None:
+        """Stop making deferred accounts (torchpassd stopping; its restart makes them on demand)."""
+        await cancel_all(list(self._pending.values()))
+
     async def remove_job(self, job: str) -> None:
-        """Delete ``job``'s client (the broker disconnects its sessions) and role."""
+        """Delete ``job``'s client (the broker disconnects its sessions) and role; an account still
+        waiting for the broker is not made."""
+        if task := self._pending.get(job):
+            task.cancel()
         name = self.username(job)
         await self._call([{"command": "deleteClient", "username": name},
                           {"command": "deleteRole", "rolename": name}], tolerate=("not found",))
@@ -134,7 +177,7 @@ class BrokerAdmin:
                     if reply and str(reply[0].get("correlationData", "")).startswith(corr):
                         break
         except (TimeoutError, aiomqtt.MqttError, OSError, ValueError) as exc:
-            raise BrokerAuthError(f"the broker's dynamic security plugin did not answer {commands[0]['command']}: "
+            raise BrokerUnreachableError(f"the broker's dynamic security plugin did not answer {commands[0]['command']}: "
                                   f"{exc or type(exc).__name__}",
                                   hint="check that mosquitto runs with the plugin and broker.username is its admin") from exc
         failed = [r for r in reply if r.get("error") and not any(t in r["error"] for t in tolerate)]
@@ -156,7 +199,7 @@ class JobAccounts:
             port = int(endpoint.rpartition(":")[2])
         except ValueError:
             raise ConfigError(f"orchestrator.credentials_endpoint must be HOST:PORT, got {endpoint!r}") from None
-        self.server = CredentialServer("0.0.0.0", port, self.facts, self.admin.ensure_job,  # noqa: S104 - nodes connect
+        self.server = CredentialServer("0.0.0.0", port, self.facts, self.admin.issue,  # noqa: S104 - nodes connect
                                        munge_socket=cfg.orchestrator.munge_socket,
                                        refused=lambda reason: refused.inc(reason=reason))
         self._tasks: set[asyncio.Task[None]] = set()
@@ -189,6 +232,7 @@ class JobAccounts:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.server.__aexit__(*exc)
+        await self.admin.close()
 
     async def facts(self, job: str) -> JobFacts | None:
         """The owner's uid, nodes and start time of a running TorchPass job ``job``, from Slurm
@@ -217,7 +261,7 @@ class JobAccounts:
     async def _account(self, e: ev.JobStarted | ev.JobEnded) -> None:
         try:
             if isinstance(e, ev.JobStarted):
-                await self.admin.ensure_job(str(e.job), e.started)
+                await self.admin.issue(str(e.job), e.started)
             elif isinstance(e, ev.JobEnded):
                 await self.admin.remove_job(str(e.job))
         except TorchPassError as exc:

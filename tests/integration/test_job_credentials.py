@@ -36,7 +36,7 @@ class Server:
 
         async def issue(job: str, started: int) -> tuple[str, str]:
             self.issued.append(job)
-            return await issue_with.ensure_job(job, started) if issue_with else (f"tp-job-{job}", "pw")
+            return await issue_with.issue(job, started) if issue_with else (f"tp-job-{job}", "pw")
         self.srv = CredentialServer("127.0.0.1", 0, lookup, issue, munge_socket=munge_socket)
 
     async def ask(self, credential: str) -> dict:
@@ -62,6 +62,30 @@ async def test_launchpad_gets_a_working_account(mosquitto: Mosquitto, munged: st
     async with mqtt.ControlClient(mosquitto.config(), "lp-100", credentials=creds) as lp:
         await lp.wait_connected(10)
         await lp.publish(protocol.hb_topic("100", "na2"), b"x", timeout=5)
+
+
+@sync
+async def test_a_launchpad_starting_during_a_broker_outage_connects_once_it_is_back(
+        mosquitto: Mosquitto, munged: str, tmp_path: Path) -> None:  # noqa: F811
+    """The broker is down when a job's launchpad asks for its account (a joiner started on a spare
+    during a broker restart, a job starting): it gets the job's credentials, not a refusal that
+    would end it, and once the broker is back the account is made and the launchpad connects."""
+    admin = BrokerAdmin(mosquitto.config(), tmp_path / "secret")
+    s = Server(admin, munged)
+    mosquitto.stop()
+    async with s.srv:
+        creds = await fetch(f"127.0.0.1:{s.srv.port}", "200", "nb1", munge_socket=munged)
+    assert creds == (admin.username("200"), admin.password("200", JOBS["200"].started))
+    try:
+        async with mqtt.ControlClient(mosquitto.config(), "lp-200", credentials=creds) as lp:
+            await asyncio.sleep(1)
+            assert not lp.connected
+            await asyncio.get_running_loop().run_in_executor(None, mosquitto.start)
+            await lp.wait_connected(60)
+            await lp.publish(protocol.hb_topic("200", "nb1"), b"x", timeout=5)
+        assert "tp-job-200" in await admin.list_clients()
+    finally:
+        await admin.close()
 
 
 @sync
