@@ -265,12 +265,14 @@ PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)  # the examples' pr
 
 def sacct_state(devcluster: DevCluster, job: str, timeout: float = 30) -> str:
     """``State ExitCode`` of the job as accounting has it once it ended (e.g. ``COMPLETED 0:0``);
-    slurmdbd learns of the end a moment after slurmctld, so a job still RUNNING there is asked again."""
+    slurmdbd learns of the end a moment after slurmctld, so a job still RUNNING there is asked again,
+    and so is one whose last record is RESIZING (a resized job's allocations before the last one are
+    RESIZING; its final record follows)."""
     deadline = time.monotonic() + timeout
     while True:
         out = devcluster.run("sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode").stdout
         state = " ".join(out.strip().splitlines()[-1].split("|"))
-        if not state.startswith(("RUNNING", "PENDING")) or time.monotonic() > deadline:
+        if not state.startswith(("RUNNING", "PENDING", "RESIZING")) or time.monotonic() > deadline:
             return state
         time.sleep(0.5)
 
