@@ -5,7 +5,7 @@ history, the journal and the ``torchpass_stragglers_total`` metric; at most once
 ``cooldown`` seconds. The signal is each rank's wanted CPU per step (torchpass/busy_time.py) as
 launchpad's heartbeats carry it (``busy_s`` per worker): a node counts with its slowest rank.
 
-The rule is a pure function (``slow_nodes``); ``StragglerWatch`` keeps the per-node history and
+The rule is a pure function (``is_slow``); ``StragglerWatch`` keeps the per-node history and
 asks the orchestrator to migrate. It does not pick a spare or move anything (the planned flow does)."""
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ def is_slow(busy: Mapping[str, float], node: str, ratio: float) -> bool:
     job needs two nodes with a positive median to compare)."""
     median = others_median(busy, node)
     return median > 0 and busy[node] >= ratio * median
-
-
-def slow_nodes(busy: Mapping[str, float], ratio: float) -> dict[str, float]:
-    """Each slow node (``is_slow``) -> its factor over the median of the others."""
-    return {node: busy[node] / others_median(busy, node) for node in busy if is_slow(busy, node, ratio)}
 
 
 @dataclass(frozen=True)

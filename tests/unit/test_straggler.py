@@ -15,15 +15,17 @@ from torchpass_common.config import StragglerConfig
 from torchpass_common.errors import ConfigError
 from torchpassd.journal import Journal
 from torchpassd.metrics import Metrics
-from torchpassd.straggler import STALE_S, StragglerWatch, slow_nodes
+from torchpassd.straggler import STALE_S, StragglerWatch, is_slow
 
 
 def test_a_node_is_slow_against_the_median_of_the_others() -> None:
     # n3: 30 ms vs the others' median 10 ms -> 3x; n4 at 14 ms is 1.4x the median of (10, 10, 30) = 10 -> not slow
-    assert slow_nodes({"n1": 0.010, "n2": 0.010, "n3": 0.030, "n4": 0.014}, 1.5) == pytest.approx({"n3": 3.0})
-    assert slow_nodes({"n1": 0.010, "n2": 0.016}, 1.5) == pytest.approx({"n2": 1.6})  # two nodes: each against the other
-    assert slow_nodes({"n1": 0.010}, 1.5) == {}  # nothing to compare with
-    assert slow_nodes({"n1": 0.0, "n2": 0.0, "n3": 0.5}, 1.5) == {}  # idle peers: no median to compare with
+    busy = {"n1": 0.010, "n2": 0.010, "n3": 0.030, "n4": 0.014}
+    assert [n for n in busy if is_slow(busy, n, 1.5)] == ["n3"]
+    assert is_slow({"n1": 0.010, "n2": 0.016}, "n2", 1.5)  # two nodes: each against the other
+    assert not is_slow({"n1": 0.010, "n2": 0.016}, "n1", 1.5)
+    assert not is_slow({"n1": 0.010}, "n1", 1.5)  # nothing to compare with
+    assert not is_slow({"n1": 0.0, "n2": 0.0, "n3": 0.5}, "n3", 1.5)  # idle peers: no median to compare with
 
 
 def heartbeat(busy: dict[str, float], step: int) -> dict[str, dict]:
