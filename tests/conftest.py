@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-pytest_plugins = ["tests.support.broker", "tests.support.devcluster", "tests.support.fault_matrix"]
+pytest_plugins = ["tests.support.broker", "tests.support.devcluster", "tests.support.e2e", "tests.support.fault_matrix"]
 
 LONG = ("matrix", "soak", "fuzz")
 

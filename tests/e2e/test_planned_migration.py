@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from slurm_plugin import hostlist
-from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpass_common.errors import SlurmError
 from torchpassd.drill_report import read_log

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TIMEOUTS, Daemon, Training, sacct_state
 from tests.e2e.test_real_jobs import NODES, NPROC, STEP_SLEEP, STEPS, undisturbed
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import TIMEOUTS, Daemon, Training, sacct_state
 from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (
+from tests.support.devcluster import DevCluster
+from tests.support.e2e import (
     PROGRESS,
     TIMEOUTS,
     Daemon,
@@ -23,7 +24,6 @@ from tests.e2e.conftest import (
     assert_every_line_once,
     sacct_state,
 )
-from tests.support.devcluster import DevCluster
 from torchpassd.drill import EXAMPLE
 from torchpassd.drill_report import DrillReport, read_log
 from torchpassd.drill_transparent import SCRIPT as TUTORIAL

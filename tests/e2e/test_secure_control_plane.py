@@ -20,8 +20,8 @@ from launchpad.telemetry.collector import Collector
 from launchpad.telemetry.encoding import DeltaEncoder
 from launchpad.telemetry.replay import ReplayBackend
 from slurm_plugin import openapi
-from tests.e2e.conftest import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import ROOT, Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from torchpass_common import config, mqtt, protocol
 from torchpass_common.config import derive
 from torchpassd.broker_auth import BrokerAdmin

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (
+from tests.support.devcluster import DevCluster
+from tests.support.e2e import (
     Daemon,
     Training,
     assert_bit_identical,
@@ -28,7 +29,6 @@ from tests.e2e.conftest import (
     sacct_state,
     wait_until,
 )
-from tests.support.devcluster import DevCluster
 from torchpassd.drill_report import read_log
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]

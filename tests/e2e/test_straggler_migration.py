@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from tests.support import cpu_throttle
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from torchpass_common.config import derive
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]

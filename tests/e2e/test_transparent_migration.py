@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, assert_bit_identical
 from torchpassd import drill_transparent
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, reference_log, sacct_state, wait_until
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, reference_log, sacct_state, wait_until
 from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge
 

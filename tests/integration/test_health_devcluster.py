@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, e2e_dir, install_site_config, torchpassd, tp_config, wait_until  # noqa: F401 - fixtures
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, install_site_config, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 

@@ -3,7 +3,7 @@ while an unplanned recovery or a transparent (criu) migration is under way: torc
 the broker stopped for a minute, the joining spare killed, a second node drained. Each cell ends
 with the job COMPLETED and its parameters bit-identical to an undisturbed run (an unplanned
 recovery may repeat only the failed step, with the same loss). The planned column and the idle row
-are in test_fault_matrix.py; these run under ``-m matrix`` (make test-matrix), CI keeps one test
+are in tests/faults/test_fault_matrix.py; these run under ``-m matrix`` (make test-matrix), CI keeps one test
 per row (test_planned_migration.py, test_unplanned_migration.py)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, reference_log, sacct_state, wait_until
-from tests.e2e.test_fault_matrix import BROKER_OUTAGE_S, assert_recovered_bit_identical
 from tests.e2e.test_planned_migration import restart_broker
+from tests.faults.test_fault_matrix import BROKER_OUTAGE_S, assert_recovered_bit_identical
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, assert_bit_identical, reference_log, sacct_state, wait_until
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpassd import drill_transparent
 from torchpassd.drill_report import DrillReport, read_log

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Daemon, Training, assert_bit_identical, reference_log, sacct_state, wait_until
 from tests.e2e.test_planned_migration import STEPS, restart_broker
 from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, assert_bit_identical, reference_log, sacct_state, wait_until
 from tests.support.fault_matrix import OK, FaultMatrix
 from torchpassd.drill_report import DrillReport, read_log
 from torchpassd.drill_unplanned import judge

@@ -1,6 +1,8 @@
-"""End-to-end fixtures: a torchpassd process for the dev cluster (real Slurm, real mosquitto),
-its config, a client slurm.conf with the TorchPass cli_filter (so sbatch --torchpass marks jobs
-as a site install does), and helpers that submit the example training job and watch migrations."""
+"""End-to-end fixtures (a pytest plugin of the whole suite, tests/conftest.py): a torchpassd process for
+the dev cluster (real Slurm, real mosquitto), its config, a client slurm.conf with the TorchPass
+cli_filter (so sbatch --torchpass marks jobs as a site install does), and helpers that submit the
+example training job and watch migrations. Used by tests/e2e, tests/faults and the dev-cluster
+integration tests."""
 
 from __future__ import annotations
 
