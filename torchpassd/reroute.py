@@ -14,6 +14,7 @@ from typing import Any
 
 from torchpassd import journal as jn
 from torchpassd import unplanned
+from torchpassd.failure_detect import Death
 
 MODE = "reroute"
 
@@ -24,8 +25,19 @@ class Reroute(unplanned.UnplannedRecovery):
 
     mode = MODE
 
+    async def run(self, deaths: list[Death]) -> str:
+        view = self.view()  # every rank stays: the job's size is what its launchpads run
+        self.plan.world_size = len({w["rank"] for lp in view.launchpads.values() if lp.online for w in lp.workers})
+        return await super().run(deaths)
+
     def _reform_args(self, gen: int) -> dict[str, Any]:
-        return {**super()._reform_args(gen), "ifname": self.plan.path}
+        """Over the new path. The store: the one every launchpad of the job rendezvoused on (its
+        default), unless a node died meanwhile and its seat read the workers' store (a joiner knows
+        no other)."""
+        p = self.plan
+        if p.store_port:
+            return {**super()._reform_args(gen), "ifname": p.path}
+        return {"gen": gen, "world_size": p.world_size, "prefix": f"/torchpass/{p.job}/gen{gen}", "ifname": p.path}
 
     async def finish(self) -> str:
         """The recovery's re-form and resume; once they succeeded the registry says at once that the

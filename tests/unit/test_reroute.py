@@ -42,6 +42,9 @@ def test_a_reroute_cuts_every_rank_and_reforms_them_all_over_the_new_path(tmp_pa
     assert all(a["step"] == 42 for a in recover.values())
     reforms = {n: a for n, c, g, a in sent if c == "reform" and g == w.gen + 1}
     assert set(reforms) == set(NODES) and {a["ifname"] for a in reforms.values()} == {"eth0"}
+    # nobody left: the job's own rendezvous store (launchpad's default) and its size as before
+    assert all("store_port" not in a and a["world_size"] == 4 for a in reforms.values())
+    assert all(a["world_size"] == 4 for a in recover.values())
     assert {n for n, c, _, _ in sent if c == "resume"} == set(NODES)
     assert w.slurm.added == [] and w.slurm.evicted == [] and w.slurm.free == ["n5"]  # no spare, nobody out
     assert {lp.path for lp in w.registry.job("7").launchpads.values()} == {"eth0"}
