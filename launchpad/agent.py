@@ -25,7 +25,7 @@ from launchpad.rendezvous import Rendezvous
 from launchpad.spec import LaunchSpec
 from launchpad.watchdog import Watchdog
 from torchpass_common import agent_channel as ac
-from torchpass_common import log
+from torchpass_common import collective_path, log
 from torchpass_common.config import Config
 from torchpass_common.errors import TorchPassError
 
@@ -47,6 +47,8 @@ class Agent:
         self.beat_now: Callable[[], None] = lambda: None  # the control plane's: a heartbeat now
         # workers take the collective timeout (and how long to park) from launchpad's config
         os.environ[ac.ENV_TIMEOUTS] = json.dumps(dataclasses.asdict(self.timeouts))
+        # the interface the workers' collectives take (heartbeats report it; reform may change it)
+        self.path = collective_path.start_path(os.environ, config.links.fabric)
         self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
         self.channel = ChannelServer(str(self._tmp / "agent.sock"))
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")

@@ -15,7 +15,7 @@ from launchpad.channel import WorkerLink
 from launchpad.stall_watch import StallWatch
 from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
-from torchpass_common import transfer_address
+from torchpass_common import collective_path, transfer_address
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
 from torchpass_common.worker_state import WorkerState
@@ -166,21 +166,25 @@ class Commands:
 
     async def reform(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Rebuild every worker's communicator as generation ``gen``; ``ranks`` maps old to new
-        ranks where they change; the store defaults to the rendezvous store with a fresh prefix."""
+        ranks where they change; the store defaults to the rendezvous store with a fresh prefix;
+        ``ifname`` (optional) is the network interface the new generation's collectives take."""
         ngen = _int_arg(args, "gen", gen)
         world = _int_arg(args, "world_size", self.agent.world_size)
         ranks = {int(k): v for k, v in (args.get("ranks") or {}).items()}
         host = args.get("store_host") or self.agent.rdzv.host
         port = _int_arg(args, "store_port", self.agent.rdzv.port)
         prefix = args.get("prefix") or f"/torchpass/{self.agent.spec.run_id}/gen{ngen}"
+        path = collective_path.check(args["ifname"], "reform's 'ifname'") if args.get("ifname") else ""
         links = self._links()
         await self._all(
             links, lambda lk: ac.message(ac.REFORM, gen=ngen, rank=ranks.get(lk.rank, lk.rank), world_size=world,
-                                         store_host=host, store_port=port, prefix=prefix),
+                                         store_host=host, store_port=port, prefix=prefix,
+                                         **({"ifname": path} if path else {})),
             lambda r: r["t"] == ac.REFORMED and r["gen"] == ngen, self.agent.timeouts.reform)
         for lk in links:
             lk.rank = ranks.get(lk.rank, lk.rank)
         self.agent.gen, self.agent.world_size = ngen, world
+        self.agent.path = path or self.agent.path
         return {"ranks": sorted(lk.rank for lk in links)}
 
     async def resume(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class ControlPlane:
         self.client = self._client(None)
         self._tasks: list[asyncio.Task[None]] = []
         self.telemetry = Sampler(agent.config.health, self.node)  # GPU health, sent with heartbeats
-        self.links = LinkWatch()  # network links, sent with heartbeats too
+        self.links = LinkWatch(on_change=self._beat_now.set)  # network links, sent with heartbeats (at once on a change)
         self.commands.handlers["health_replay"] = self._health_replay
 
     def _client(self, credentials: tuple[str, str] | None) -> mqtt.ControlClient:
@@ -102,7 +102,7 @@ class ControlPlane:
                                 "interrupted_at": lk.interrupted_at}
                                if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part(),
-                **self.links.heartbeat_part()}
+                **self.links.heartbeat_part(), **({"path": self.agent.path} if self.agent.path else {})}
 
     async def _heartbeats(self) -> None:
         interval = self.agent.timeouts.heartbeat_interval

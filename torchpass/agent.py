@@ -30,7 +30,7 @@ from torchpass import (
     steps,
 )
 from torchpass_common import agent_channel as ac
-from torchpass_common import log
+from torchpass_common import collective_path, log
 from torchpass_common.errors import TorchPassError, WorkerError
 from torchpass_common.timeouts import Timeouts
 from torchpass_common.transfer_address import TransferAddress
@@ -283,6 +283,8 @@ class Agent:
         gen = msg["gen"]
         if gen != group.gen:  # a repeated reform of the current generation is only re-acknowledged
             t0 = time.perf_counter()
+            if msg.get("ifname"):  # the new generation's collectives take this interface (a reroute)
+                collective_path.use(os.environ, collective_path.check(msg["ifname"], "reform's 'ifname'"))
             store = dist.TCPStore(msg["store_host"], msg["store_port"], is_master=False,
                                   timeout=timedelta(seconds=self.timeouts.reform), wait_for_workers=False)
             group.reconfigure(gen, msg["rank"], msg["world_size"], store, msg["prefix"])

@@ -143,6 +143,34 @@ class StragglerConfig:
 
 
 @dataclass(frozen=True)
+class LinksConfig:
+    """The network paths of a job's collectives (torchpassd/link_policy.py). ``fabric``: the
+    interface they take (launchpad sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to it for a job
+    that sets neither); "" leaves the choice to the job and reroutes nothing. ``fallback``: the
+    interface they are rerouted over, without moving any rank, while a node's ``fabric`` link is
+    down; "" (or a fallback that is down too) migrates that node's ranks instead. Back on the fabric
+    once every node's fabric link has been up ``hold_down`` seconds; a link that changed
+    ``flap_transitions`` times within ``flap_window`` seconds is flapping: the job stays on the
+    fallback until the link has been quiet that long."""
+
+    fabric: str = ""
+    fallback: str = ""
+    hold_down: float = 10.0
+    flap_transitions: int = 3
+    flap_window: float = 60.0
+
+    def validate(self) -> None:
+        if self.fallback and not self.fabric:
+            raise ConfigError("links.fallback needs links.fabric (the path it stands in for)")
+        if self.fallback and self.fallback == self.fabric:
+            raise ConfigError(f"links.fallback must be another interface than links.fabric ({self.fabric})")
+        if self.hold_down < 0 or self.flap_window <= 0 or self.flap_transitions < 2:
+            raise ConfigError(f"links.hold_down must not be negative, links.flap_window positive and "
+                              f"links.flap_transitions at least 2, got {self.hold_down}, {self.flap_window} "
+                              f"and {self.flap_transitions}")
+
+
+@dataclass(frozen=True)
 class FaultsConfig:
     """Fault injection for drills and tests, set by the operator in the site config (never by a
     job): ``criu = "dump"`` makes every CRIU dump fail (criu refuses the worker's live TCP
@@ -166,6 +194,7 @@ class Config:
     timeouts: Timeouts = field(default_factory=Timeouts)
     health: HealthConfig = field(default_factory=HealthConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     source: str | None = None
 

@@ -31,7 +31,7 @@ from torchpass_common import broker_check, log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
 from torchpass_common.worker_state import WorkerState
-from torchpassd import broker_auth, planned, sdnotify, transparent, unplanned
+from torchpassd import broker_auth, link_policy, planned, reroute, sdnotify, transparent, unplanned
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
@@ -58,6 +58,7 @@ class Orchestrator:
         self.failed_spares: dict[tuple[str, str], list[str]] = {}  # spares that could not take a node's ranks
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
+        self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
         self.unplanned = unplanned.Driver(self, control_up)  # dead nodes -> recoveries (#7)
         self.log = log.get()
 
@@ -75,6 +76,7 @@ class Orchestrator:
             self.d.registry.forget(job)
             for key in [k for k in self.pending if k[0] == job]:
                 self.pending.pop(key)
+            self.reroutes.pop(job, None)
             with contextlib.suppress(jn.JournalError):
                 await asyncio.to_thread(self.d.journal.end_job, job, e.state or "ENDED")
         elif isinstance(e, ev.NodeDraining | ev.NodeDrained | ev.NodeFailed) and e.jobs:
@@ -139,6 +141,20 @@ class Orchestrator:
         await mig.roll_back(f"{what} during the migration off {p.source}, before the hand-over: the job "
                             f"recovers from that first, then the move off {p.source} is tried again")
 
+    def on_links(self, d: link_policy.Decision) -> None:
+        """A decision of the link policy: move ``d.node``'s ranks (neither path left there), or
+        reroute the job's collectives (kept until done, or until the job is on that path)."""
+        if d.action == link_policy.MIGRATE:
+            self.request(d.job, d.node, d.reason)
+            return
+        if self.d.registry.job(d.job).path == d.ifname:
+            self.reroutes.pop(d.job, None)
+            return
+        if d.job not in self.reroutes:
+            self.log.info("reroute.wanted", job=d.job, node=d.node, ifname=d.ifname, reason=d.reason)
+        self.reroutes[d.job] = (self.reroutes.get(d.job, (time.time(), d))[0], d)
+        self.kick()
+
     def request(self, job: str, node: str, reason: str) -> None:
         """Ask for ``node``'s ranks of ``job`` to move (kept until done or the node returns)."""
         if node in self.d.registry.job(job).emptied:
@@ -160,6 +176,14 @@ class Orchestrator:
         """Start a migration for every pending pair whose job is idle and whose retry time came."""
         now = time.time()
         self.unplanned.kick()  # dead nodes first: their jobs are stopped
+        for job, (seen, d) in list(self.reroutes.items()):  # then paths: a reroute pauses for less than a move
+            if job in self.active or self.unplanned.waits(job):
+                continue
+            if self.d.registry.job(job).path == d.ifname:
+                self.reroutes.pop(job)
+            elif not self._starting(job):
+                self.reroutes.pop(job)
+                self._spawn(job, self._reroute(job, seen, d))
         for (job, node), (seen, reason) in list(self.pending.items()):
             if job in self.active or self.unplanned.waits(job) or self.retry_at.get((job, node), 0) > now:
                 continue
@@ -186,10 +210,8 @@ class Orchestrator:
         lp = view.launchpads.get(node)
         if lp is None or not lp.online or not lp.workers:
             return f"waiting for the launchpad on {node} to report its ranks", False
-        starting = sorted(n for n, other in view.launchpads.items()
-                          if other.online and any(w.get("state") == WorkerState.STARTING for w in other.workers))
-        if starting:  # a worker not yet on its agent channel cannot be paused
-            return f"waiting for the workers on {', '.join(starting)} to start", False
+        if starting := self._starting(job):  # a worker not yet on its agent channel cannot be paused
+            return starting, False
         if self.watcher.last is None:
             return "waiting for the first Slurm poll", False
         spares = self.d.pool.list(self.watcher.last)
@@ -197,6 +219,13 @@ class Orchestrator:
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
             return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears", True
         return "", False
+
+    def _starting(self, job: str) -> str:
+        """Why the job's ranks cannot all pause now ("" when they can): workers still starting."""
+        view = self.d.registry.job(job)
+        starting = sorted(n for n, other in view.launchpads.items()
+                          if other.online and any(w.get("state") == WorkerState.STARTING for w in other.workers))
+        return f"waiting for the workers on {', '.join(starting)} to start" if starting else ""
 
     async def tell_job(self, job: str, text: str) -> None:
         """Put ``text`` once into the job's output: through one launchpad of the job (the batch
@@ -236,6 +265,18 @@ class Orchestrator:
         mig = flow(self.d, planned.Plan(job=job, source=node, gen=gen), mid, detected_at=seen)
         self.current[job] = mig
         await self._conclude(mig, await mig.run())
+
+    async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> None:
+        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
+        gen = rec.gen if rec else 1
+        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=reroute.MODE, source=d.node,
+                                      reason=d.reason, gen=gen)
+        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": d.node,
+                                                              "reason": d.reason, "mode": reroute.MODE})
+        plan = unplanned.UnplannedPlan(job=job, source=d.node, gen=gen, evidence=[d.reason], failed_at=seen,
+                                       path=d.ifname, path_before=self.d.registry.job(job).path)
+        flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy)
+        await self.unplanned.run(flow, flow.run([]))
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
         p = mig.plan
@@ -283,8 +324,8 @@ class Orchestrator:
                                            self.d.cfg.timeouts.heartbeat_dead_after, "launchpads to report")
 
     async def _recover_one(self, rec: jn.MigrationRecord) -> None:
-        if rec.mode == unplanned.MODE:
-            await self.unplanned.resume(rec)
+        if rec.mode in (unplanned.MODE, reroute.MODE):
+            await self.unplanned.resume(rec, reroute.Reroute if rec.mode == reroute.MODE else unplanned.UnplannedRecovery)
             return
         flow = transparent.TransparentMigration if rec.mode == transparent.MODE else planned.PlannedMigration
         mig = flow(self.d, planned.Plan.from_record(rec), rec.id, detected_at=rec.started)
@@ -350,6 +391,7 @@ class Reports:
     metrics: Metrics
     health: HealthWatch
     straggler: StragglerWatch
+    links: link_policy.PathWatch
     detector: FailureDetector
 
     async def pump(self, client: mqtt.ControlClient) -> None:
@@ -374,6 +416,7 @@ class Reports:
                 self.metrics.heartbeat_seen(msg.job, node)
                 await self.health.on_heartbeat(msg.job, node, msg.body)
                 await self.straggler.on_heartbeat(msg.job, node, msg.body)
+                self.links.on_heartbeat(msg.job, node, msg.body)
 
 
 async def _watch(watcher: Watcher, orch: Orchestrator, reports: Reports, retained: RetainedStates,
@@ -387,6 +430,7 @@ async def _watch(watcher: Watcher, orch: Orchestrator, reports: Reports, retaine
         elif isinstance(e, ev.JobEnded):
             health.job_ended(str(e.job))
             reports.straggler.job_ended(str(e.job))
+            reports.links.job_ended(str(e.job))
             gate.forget(str(e.job))
             view = orch.d.registry.jobs.get(str(e.job))  # every node a launchpad of it was on
             retained.clear(str(e.job), {*e.nodes, *(view.nodes if view else ()), *(view.launchpads if view else ())})
@@ -461,7 +505,8 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
         gate = ReportGate(lambda: watcher.last or boot, orch.moving, metrics.reports_refused_total,
                           lambda job, node: retained.clear(job, (node,)))
         straggler = StragglerWatch(cfg.straggler, journal, migrate=orch.request, counter=metrics.stragglers_total)
-        reports = Reports(gate, registry, commander, metrics, health, straggler, orch.unplanned.detector)
+        paths = link_policy.PathWatch(cfg.links, registry.job, orch.on_links)
+        reports = Reports(gate, registry, commander, metrics, health, straggler, paths, orch.unplanned.detector)
         tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,

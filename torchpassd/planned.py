@@ -65,6 +65,8 @@ class Plan:
     paused_at: float = 0.0
     resumed_at: float = 0.0
     gen_after: int = 0  # the job's generation once the migration ended (0: unchanged)
+    path: str = ""  # a reroute (reroute.py): the interface the job's collectives move to
+    path_before: str = ""  # a reroute: the one they took before
 
     @property
     def new_gen(self) -> int:
@@ -342,9 +344,12 @@ class Flow:
             await asyncio.sleep(0.1)
 
     def _reform_args(self, gen: int) -> dict[str, Any]:
+        """The re-form of generation ``gen``: its size, the store and a fresh prefix, and the
+        interface the job's collectives take now (a job rerouted keeps its path across a move)."""
         p = self.plan
+        path = self.view().path
         return {"gen": gen, "world_size": p.world_size, "store_host": p.store_host, "store_port": p.store_port,
-                "prefix": f"/torchpass/{p.job}/gen{gen}"}
+                "prefix": f"/torchpass/{p.job}/gen{gen}", **({"ifname": path} if path else {})}
 
     async def _drop_target(self, target: str) -> list[str]:
         """Stop the joiner on ``target`` and its launchpad, take the spare out of the job, back

@@ -28,6 +28,7 @@ class Launchpad:
     last_heartbeat: float | None = None  # time.monotonic()
     pid: int = 0  # the launchpad process on its node (from its state messages)
     links: dict[str, Any] = field(default_factory=dict)  # its network links, as last reported
+    path: str = ""  # the network interface its workers' collectives take ("" not reported)
     # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
     _prev: tuple[float, int] | None = None
     steps_per_s: float = 0.0
@@ -59,6 +60,13 @@ class JobView:
     def launchpad(self, node: str) -> Launchpad:
         return self.launchpads.setdefault(node, Launchpad(node))
 
+    @property
+    def path(self) -> str:
+        """The interface the job's collectives take, as most of its online launchpads report it
+        ("" when none reports one: the job's backends choose)."""
+        paths = [lp.path for lp in self.launchpads.values() if lp.online and lp.path]
+        return max(sorted(set(paths)), key=paths.count) if paths else ""
+
     def ranks_on(self, node: str) -> list[int]:
         lp = self.launchpads.get(node)
         return sorted(w["rank"] for w in lp.workers) if lp else []
@@ -81,10 +89,11 @@ class JobView:
         now = time.monotonic()
         return {"job": self.job_id, "user": self.user, "mode": self.mode, "nodes": list(self.nodes),
                 "batch_host": self.batch_host, "blocked": self.blocked, "unplanned": self.unplanned(),
+                "path": self.path,
                 "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
                                    "heartbeat_age": None if lp.last_heartbeat is None
                                    else round(lp.heartbeat_age(now) or 0.0, 3),
-                                   "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links}
+                                   "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links, "path": lp.path}
                                for n, lp in sorted(self.launchpads.items())}}
 
 
@@ -137,6 +146,8 @@ class Registry:
             lp.online, lp.gen, lp.workers, lp.last_heartbeat = True, msg.gen, list(msg.body["workers"]), now
             if isinstance(msg.body.get("links"), dict):
                 lp.links = msg.body["links"]
+            if isinstance(msg.body.get("path"), str):
+                lp.path = msg.body["path"]
             view = self.job(msg.job)
             for w in lp.workers:
                 if "replicas" in w:

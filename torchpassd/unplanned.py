@@ -186,7 +186,7 @@ class UnplannedRecovery(Flow):
         for t in self.plan.targets:
             problems += await self._drop_target(t)
         self.log.warning("unplanned.standing_down", reason=reason)
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="rolled_back")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="rolled_back")
         await self.phase(planned.ROLLED_BACK, jn.ROLLED_BACK, error=reason, problems=problems)
         return jn.ROLLED_BACK
 
@@ -548,7 +548,7 @@ class UnplannedRecovery(Flow):
         except TorchPassError as exc:
             return await self.fail(str(exc))
         self.d.metrics.migration_pause_seconds.observe(pause_s)
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="succeeded")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="succeeded")
         await self.phase(RELEASED, jn.SUCCEEDED, pause_s=round(pause_s, 3), problems=problems,
                          detect_s=round(max(0.0, self.detected_at - p.failed_at), 3))
         for t in p.targets:
@@ -569,7 +569,7 @@ class UnplannedRecovery(Flow):
             outcome = f"{reason}; requeueing job {p.job} failed too: {exc}"
         self.failure = outcome
         self.log.error("unplanned.requeued", error=outcome)
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
         await self.phase(FAILED, jn.FAILED, error=outcome, problems=problems, fallback="requeue")
         return jn.FAILED
 
@@ -589,7 +589,7 @@ class UnplannedRecovery(Flow):
                 problems += await self._abort_on(p.in_place, {"hold": True})
         if survivors_exit:
             problems += await self._abort_on(p.survivors, {"exit": True})
-        self.d.metrics.migrations_total.inc(mode=MODE, outcome="failed")
+        self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
         await self.phase(FAILED, jn.FAILED, error=reason, problems=problems)
         return jn.FAILED
 
@@ -759,9 +759,10 @@ class Driver:
         plan = UnplannedPlan(job=job, source=first.node, gen=gen, evidence=list(first.evidence),
                              failed_at=min(d.failed_at for d in deaths))
         flow = UnplannedRecovery(self.d, plan, mid, detected_at=first.decided_at, no_spare=self.policy)
-        await self._run(flow, flow.run(deaths))
+        await self.run(flow, flow.run(deaths))
 
-    async def _run(self, flow: UnplannedRecovery, work: Awaitable[str]) -> None:
+    async def run(self, flow: UnplannedRecovery, work: Awaitable[str]) -> None:
+        """Carry out ``work`` of ``flow`` as the job's one running recovery (deaths meanwhile join it)."""
         job = flow.plan.job
         self.running[job] = self.o.current[job] = flow
         try:
@@ -778,8 +779,8 @@ class Driver:
         elif status == jn.FAILED:
             self.given_up.add(job)
 
-    async def resume(self, rec: jn.MigrationRecord) -> None:
-        """A recovery a previous torchpassd left in flight."""
+    async def resume(self, rec: jn.MigrationRecord, kind: type[UnplannedRecovery] = UnplannedRecovery) -> None:
+        """A recovery (of ``kind``: a reroute is one) a previous torchpassd left in flight."""
         plan = UnplannedPlan.from_record(rec)
-        flow = UnplannedRecovery(self.d, plan, rec.id, detected_at=rec.started, no_spare=self.policy)
-        await self._run(flow, resume_after_restart(flow, rec.phase))
+        flow = kind(self.d, plan, rec.id, detected_at=rec.started, no_spare=self.policy)
+        await self.run(flow, resume_after_restart(flow, rec.phase))

@@ -3,9 +3,12 @@ interface (loopback aside) whether it has carrier, its operational state and its
 counters, and for each InfiniBand port its state and physical state. Interfaces are read through
 netlink (``ip -j -s link``), which shows the launchpad's own network namespace (sysfs shows the
 host's unless remounted: a container's or the dev cluster's nodes' view would be wrong);
-InfiniBand ports from sysfs (not namespaced). Read every READ_EVERY_S off the event loop, sent
-when it changed and every REFRESH_BEATS heartbeats anyway. It only reports: what a link going down means
-for the job is torchpassd's to decide."""
+InfiniBand ports from sysfs (not namespaced). Read off the event loop at once when netlink
+announces a link change (``ip monitor link``), else every READ_EVERY_S; each interface carries
+``changes``, how often its carrier came or went since launchpad started (a flap between two
+heartbeats still counts). Sent at once when something changed (``on_change``), and every
+REFRESH_BEATS heartbeats anyway. It only reports: what a link going down means for the job is
+torchpassd's to decide (torchpassd/link_policy.py)."""
 
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ REFRESH_BEATS = 30
 IP_TIMEOUT_S = 2.0
 
 
+def _ip() -> str:
+    """The ip tool: it lives in /usr/sbin, which a job's PATH often lacks."""
+    return shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin") or "ip"
+
+
 def ip_links() -> str:
-    """``ip -j -s link show`` of this process's network namespace (JSON text; "[]" if ip fails).
-    ip lives in /usr/sbin, which a job's PATH often lacks."""
-    ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin") or "ip"
+    """``ip -j -s link show`` of this process's network namespace (JSON text; "[]" if ip fails)."""
     try:
-        return subprocess.run([ip, "-j", "-s", "link", "show"], capture_output=True, text=True,
+        return subprocess.run([_ip(), "-j", "-s", "link", "show"], capture_output=True, text=True,
                               timeout=IP_TIMEOUT_S, check=True).stdout or "[]"
     except (OSError, subprocess.SubprocessError):
         return "[]"
@@ -78,24 +84,65 @@ def ib_ports(root: Path = INFINIBAND) -> dict[str, dict[str, Any]]:
 
 class LinkWatch:
     """The links part of each heartbeat (``{}`` when nothing changed since the last one sent).
-    ``run()`` reads the links every READ_EVERY_S in a thread (``ip`` is a subprocess: never on the
-    event loop's heartbeat path); ``heartbeat_part()`` only reports the last reading. ``read_ip``
-    and ``infiniband`` are where the links are read from (tests stage them)."""
+    ``run()`` reads the links in a thread (``ip`` is a subprocess: never on the event loop's
+    heartbeat path) whenever netlink announces a change, and every READ_EVERY_S anyway;
+    ``heartbeat_part()`` only reports the last reading. ``read_ip``, ``infiniband`` and
+    ``monitor`` (the argv printing a line per link event; None: poll only) are where the links are
+    read from (tests stage them); ``on_change`` is called when a reading differs from the last."""
 
-    def __init__(self, read_ip: Callable[[], str] = ip_links, infiniband: Path = INFINIBAND) -> None:
-        self.read_ip, self.infiniband = read_ip, infiniband
+    def __init__(self, read_ip: Callable[[], str] = ip_links, infiniband: Path = INFINIBAND,
+                 monitor: list[str] | None = None, on_change: Callable[[], None] = lambda: None) -> None:
+        self.read_ip, self.infiniband, self.on_change = read_ip, infiniband, on_change
+        self.monitor = [_ip(), "monitor", "link"] if monitor is None else monitor
         self._now: dict[str, dict[str, Any]] = {}
         self._sent: dict[str, dict[str, Any]] | None = None
         self._beats = 0
+        self._changes: dict[str, int] = {}  # interface -> carrier changes seen
 
-    def refresh(self) -> None:
-        """Read the links now (blocking: a subprocess and sysfs)."""
-        self._now = {**interfaces(self.read_ip()), **ib_ports(self.infiniband)}
+    def refresh(self) -> bool:
+        """Read the links now (blocking: a subprocess and sysfs); True if they changed."""
+        now = {**interfaces(self.read_ip()), **ib_ports(self.infiniband)}
+        for name, link in now.items():
+            before = self._now.get(name)
+            if "carrier" in link:
+                if before is not None and before.get("carrier") != link["carrier"]:
+                    self._changes[name] = self._changes.get(name, 0) + 1
+                link["changes"] = self._changes.get(name, 0)
+        changed, self._now = now != self._now, now
+        return changed
 
     async def run(self) -> None:
-        while True:
-            await asyncio.to_thread(self.refresh)
+        events = await self._events()
+        try:
+            while True:
+                if await asyncio.to_thread(self.refresh):
+                    self.on_change()
+                await self._next_event(events)
+        finally:
+            if events is not None and events.returncode is None:
+                events.kill()
+                await events.wait()
+
+    async def _events(self) -> asyncio.subprocess.Process | None:
+        if not self.monitor:
+            return None
+        try:
+            return await asyncio.create_subprocess_exec(*self.monitor, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.DEVNULL)
+        except OSError:  # no ip monitor: polling alone
+            return None
+
+    async def _next_event(self, events: asyncio.subprocess.Process | None) -> None:
+        """Until netlink reports a link event (the burst it comes in read too), at most READ_EVERY_S."""
+        if events is None or events.stdout is None or events.stdout.at_eof():
             await asyncio.sleep(READ_EVERY_S)
+            return
+        try:
+            await asyncio.wait_for(events.stdout.readline(), READ_EVERY_S)
+            while True:  # drain what came with it: one reading for the burst
+                await asyncio.wait_for(events.stdout.readline(), 0.05)
+        except TimeoutError:
+            pass
 
     def heartbeat_part(self) -> dict[str, Any]:
         self._beats += 1

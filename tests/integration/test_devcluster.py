@@ -56,6 +56,8 @@ def test_status_json_has_the_documented_keys(devcluster: DevCluster) -> None:
     assert [n["name"] for n in info["nodes"]] == ["n1", "n2", "n3", "n4", "n5"]
     assert [n["spare"] for n in info["nodes"]] == [False] * 4 + [True]
     assert all(n["addr"] == f"10.77.{devcluster.id}.{10 + i}" for i, n in enumerate(info["nodes"], 1))
+    assert all(n["fabric_addr"] == f"10.78.{devcluster.id}.{10 + i}" and n["fabric"] == "up"
+               for i, n in enumerate(info["nodes"], 1))
     assert [n["state"] for n in info["nodes"][:4]] == ["idle"] * 4
     assert info["nodes"][4]["state"] in ("idle", "reserved")
     assert info["spare_reservation"] == {"name": "torchpass_spares", "nodes": ["n5"]}
@@ -174,6 +176,33 @@ def test_cut_isolates_a_node_whose_processes_keep_running_and_heal_restores_it(d
         devcluster.heal("n4")
     assert can_connect(devcluster, "n4", broker["host"], broker["port"])
     assert next(n for n in devcluster.info["nodes"] if n["name"] == "n4")["link"] == "up"
+
+
+def test_a_node_has_two_paths_and_each_goes_down_and_up_alone(devcluster: DevCluster) -> None:
+    """eth0 (management: Slurm, the broker, node names) and eth1 (the compute fabric): taking the
+    fabric down leaves the node reachable over management and the other way round; a flap ends up."""
+    devcluster.reset()
+    n2 = next(n for n in devcluster.info["nodes"] if n["name"] == "n2")
+    slurmd = 20018 + 100 * devcluster.id  # every node's slurmd listens on all its addresses
+    fabric, management = n2["fabric_addr"], n2["addr"]
+    assert fabric.startswith("10.78.") and can_connect(devcluster, "n1", fabric, slurmd)
+    devcluster.link_down("n2", "eth1")
+    try:
+        assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["fabric"] == "down"
+        assert not can_connect(devcluster, "n1", fabric, slurmd)
+        assert can_connect(devcluster, "n1", management, slurmd)
+    finally:
+        devcluster.link_up("n2", "eth1")
+    assert can_connect(devcluster, "n1", fabric, slurmd)
+    devcluster.link_down("n2", "eth0")
+    try:
+        assert can_connect(devcluster, "n1", fabric, slurmd) and not can_connect(devcluster, "n1", management, slurmd)
+    finally:
+        devcluster.link_up("n2", "eth0")
+    flap = devcluster.link_flap("n2", "eth1", period=0.4, duration=1.0)
+    out, _ = flap.communicate(timeout=30)
+    assert flap.returncode == 0 and "flapped" in out, out
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["fabric"] == "up"
 
 
 NODE_SIDE = """

@@ -159,11 +159,16 @@ def test_pause_reform_resume_is_bit_identical(procs: Procs, tmp_path: Path, mosq
             await orch.until(lambda: len(orch.heartbeats) >= seen + 3)
             assert orch.steps() == [at, at]
             assert {w["state"] for w in orch.heartbeats[-1].body["workers"]} == {"paused"}
-            ack = await orch.command("reform", {}, gen=2, migration="m2")
+            assert "path" not in orch.heartbeats[-1].body  # no links.fabric, none set by the job: the backends choose
+            ack = await orch.command("reform", {"ifname": "eth0; rm -rf"}, gen=2, migration="m1")
+            assert not ack.body["ok"] and "network interface name" in ack.body["error"]
+            # a reroute's re-form: the new generation's collectives take the interface named
+            ack = await orch.command("reform", {"ifname": "lo"}, gen=2, migration="m2")
             assert ack.body["ok"], ack.body["error"]
             ack = await orch.command("resume", {}, gen=2, migration="m2")
             assert ack.body["ok"], ack.body["error"]
             await orch.until(lambda: orch.heartbeats[-1].gen == 2 and min(orch.steps()) > at)
+            assert orch.heartbeats[-1].body["path"] == "lo"
             await wait_exit(proc)
             assert_same_training(results(out, 2), torchrun_reference(2, steps))
 

@@ -97,6 +97,20 @@ class DevCluster:
     def heal(self, node: str) -> None:
         self.tool("heal", node)
 
+    def link_down(self, node: str, iface: str) -> None:
+        """Take one of the node's paths down (eth0 management, eth1 compute fabric)."""
+        self.tool("link-down", node, iface)
+
+    def link_up(self, node: str, iface: str) -> None:
+        self.tool("link-up", node, iface)
+
+    def link_flap(self, node: str, iface: str, period: float, duration: float) -> subprocess.Popen[str]:
+        """Start flapping the node's path (down half of each period) for ``duration`` seconds; the
+        process ends with the link up."""
+        return subprocess.Popen([sys.executable, str(TOOL), "link-flap", node, iface, "--period", str(period),
+                                 "--for", str(duration)], env=self.env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
     def shape(self, node: str, gbit: float) -> None:
         """Limit the node's link to ``gbit`` Gbit/s each way (0: unlimited)."""
         self.tool("shape", node, str(gbit))

@@ -44,7 +44,7 @@ def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
     first = watch.heartbeat_part()["links"]
     assert first["mlx5_0/1"] == {"state": "ACTIVE", "phys_state": "LinkUp"} and "lo" not in first
     assert first["ib0"] == {"carrier": True, "operstate": "UP", "rx_errors": 0, "tx_errors": 0, "rx_dropped": 0,
-                            "tx_dropped": 1}
+                            "tx_dropped": 1, "changes": 0}
     assert watch.heartbeat_part() == {}  # nothing changed
     table[1] = ip_entry("ib0", up=False, rx_errors=17)
     (port / "state").write_text("1: DOWN\n")
@@ -52,6 +52,7 @@ def test_a_link_going_down_is_reported_at_the_next_read(tmp_path: Path) -> None:
     watch.refresh()
     now = watch.heartbeat_part()["links"]
     assert now["ib0"]["carrier"] is False and now["ib0"]["operstate"] == "LOWERLAYERDOWN" and now["ib0"]["rx_errors"] == 17
+    assert now["ib0"]["changes"] == 1 and now["eth1"]["changes"] == 0  # the carrier went once
     assert now["mlx5_0/1"]["state"] == "DOWN" and now["eth1"] == first["eth1"]
     for _ in range(links.REFRESH_BEATS - 1):
         assert watch.heartbeat_part() == {}
@@ -86,7 +87,7 @@ def test_links_are_read_in_the_background_not_on_the_heartbeat_path(tmp_path: Pa
         return json.dumps([ip_entry("eth0", up=True)])
 
     async def go() -> tuple[float, dict]:
-        watch = LinkWatch(slow_ip, tmp_path / "none")
+        watch = LinkWatch(slow_ip, tmp_path / "none", monitor=[])
         task = asyncio.create_task(watch.run())
         t0 = time.monotonic()
         first = watch.heartbeat_part()
@@ -98,3 +99,32 @@ def test_links_are_read_in_the_background_not_on_the_heartbeat_path(tmp_path: Pa
     assert took < 0.05 and parts["first"] == {"links": {}}
     assert parts["later"]["links"]["eth0"]["carrier"] is True
     assert reads and all(name != threading.main_thread().name for name in reads)
+
+
+def test_a_link_event_is_read_at_once_and_a_flap_between_heartbeats_still_counts(tmp_path: Path) -> None:
+    """netlink announces each change (ip monitor link): the links are read again at once, not at the
+    next poll, the heartbeat is asked for at once, and a carrier that went and came back between two
+    heartbeats shows in the interface's change count."""
+    table = [ip_entry("eth1", up=True)]
+    beats: list[float] = []
+    events = ["sh", "-c", "sleep 0.3; echo 2: eth1 down; sleep 0.3; echo 2: eth1 up; exec sleep 30"]
+
+    def read() -> str:
+        return json.dumps(table)
+
+    async def go() -> dict:
+        watch = LinkWatch(read, tmp_path / "none", monitor=events, on_change=lambda: beats.append(time.monotonic()))
+        task = asyncio.create_task(watch.run())
+        await asyncio.sleep(0.1)
+        watch.heartbeat_part()
+        table[0] = ip_entry("eth1", up=False)
+        await asyncio.sleep(0.35)
+        table[0] = ip_entry("eth1", up=True)
+        await asyncio.sleep(0.4)
+        task.cancel()
+        return watch.heartbeat_part()["links"]
+    t0 = time.monotonic()
+    got = asyncio.run(go())
+    assert links.READ_EVERY_S > 1 and time.monotonic() - t0 < links.READ_EVERY_S  # events, not polls
+    assert got["eth1"]["carrier"] is True and got["eth1"]["changes"] == 2
+    assert len(beats) == 3  # the first reading, the drop, the return

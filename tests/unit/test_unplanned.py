@@ -594,7 +594,7 @@ def test_driver_gives_up_on_a_failed_job_and_forgets_an_ended_one(tmp_path: Path
 
         async def failed() -> str:
             return await flow.run([_death("n3", 2)])
-        await driver._run(flow, failed())
+        await driver.run(flow, failed())
         assert "recovery failed" in driver.busy("7", "n4")  # survivors told to exit are no new deaths
         driver.on_death(_death("n2", 1))
         driver.on_slurm(ev.JobEnded(0.0, 7, ("n1",), "FAILED"))

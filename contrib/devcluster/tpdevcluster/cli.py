@@ -17,7 +17,7 @@ from . import cluster, faults, hostinfo, netns, procs
 from .errors import DevClusterError
 from .instance import DIR_ENV, ID_ENV, Instance
 
-MUTATING = {"up", "down", "reset", "kill-node", "start-node", "cut", "heal", "shape"}
+MUTATING = {"up", "down", "reset", "kill-node", "start-node", "cut", "heal", "shape", "link-down", "link-up"}
 USAGE_EPILOG = f"""instance: ${ID_ENV} (0-9, default 0); state in /tmp/tpdc<ID> (override ${DIR_ENV}).
 clients:  eval "$(contrib/devcluster/devcluster env)"   # exports SLURM_CONF"""
 
@@ -45,6 +45,18 @@ def _parser() -> argparse.ArgumentParser:
                        ("cut", "cut the node's network (its processes keep running)"),
                        ("heal", "restore the node's network")):
         sub.add_parser(name, help=text).add_argument("node")
+    for name, text in (("link-down", "take one of the node's paths down: link-down NODE IFACE (eth0 management, "
+                                      "eth1 compute fabric)"),
+                       ("link-up", "bring the node's path up again: link-up NODE IFACE")):
+        lk = sub.add_parser(name, help=text)
+        lk.add_argument("node")
+        lk.add_argument("iface", choices=netns.IFACES)
+    flap = sub.add_parser("link-flap", help="flap one of the node's paths: link-flap NODE IFACE --period S --for S "
+                                            "(down half of each period; returns when done, the link up)")
+    flap.add_argument("node")
+    flap.add_argument("iface", choices=netns.IFACES)
+    flap.add_argument("--period", type=float, default=2.0, help="seconds from one drop to the next (default 2)")
+    flap.add_argument("--for", dest="duration", type=float, default=30.0, help="seconds to flap (default 30)")
     shape = sub.add_parser("shape", help="limit the node's link rate, as a real NIC would: shape NODE GBIT (0: unlimited)")
     shape.add_argument("node")
     shape.add_argument("gbit", type=float, help="Gbit/s each way; 0 removes the limit")
@@ -68,10 +80,11 @@ def _print_status(info: dict[str, Any]) -> None:
     res = info["spare_reservation"]
     print(f"spares     reservation {res['name']}: {', '.join(res['nodes']) or '(none)'}")
     if info["nodes"]:
-        print(f"{'NODE':<6}{'ADDRESS':<14}{'STATE':<14}{'SPARE':<7}{'LINK':<6}{'RATE':<10}SLURMD")
+        print(f"{'NODE':<6}{'ADDRESS':<14}{'STATE':<14}{'SPARE':<7}{'LINK':<6}{'RATE':<10}{'FABRIC':<21}SLURMD")
         for n in info["nodes"]:
             print(f"{n['name']:<6}{n['addr']:<14}{n['state']:<14}{'yes' if n['spare'] else '':<7}"
-                  f"{n['link']:<6}{n['rate'] or '-':<10}{n['slurmd_pid'] or '-'}")
+                  f"{n['link']:<6}{n['rate'] or '-':<10}{n['fabric_addr'] + ' ' + n['fabric']:<21}"
+                  f"{n['slurmd_pid'] or '-'}")
     daemons = ", ".join(f"{k}={v or 'DEAD'}" for k, v in info["daemons"].items() if not k.startswith("slurmd."))
     print(f"daemons    {daemons or '(none)'}")
 
@@ -104,7 +117,7 @@ def _exclusive(inst: Instance, say: cluster.Say) -> Iterator[Instance]:
 def run(args: argparse.Namespace) -> int:
     inst = Instance.from_env()
     say = _sayer(inst.id)
-    if args.cmd in MUTATING or args.cmd == "exec":
+    if args.cmd in MUTATING or args.cmd in ("exec", "link-flap"):
         hostinfo.require_root()
     if args.cmd in MUTATING:
         with _exclusive(inst, say) as locked:
@@ -120,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"export SLURM_CONF={inst.slurm_conf}\nexport {ID_ENV}={inst.id}")
     elif args.cmd == "exec":
         return _exec(inst, args.node, args.argv)
+    elif args.cmd == "link-flap":  # not under the instance lock: it runs for a while beside other commands
+        inst.node_index(args.node)
+        faults.link_flap(inst, args.node, args.iface, args.period, args.duration, say)
     return 0
 
 
@@ -136,6 +152,9 @@ def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
     elif args.cmd == "shape":
         inst.node_index(args.node)
         faults.shape(inst, args.node, args.gbit, say)
+    elif args.cmd in ("link-down", "link-up"):
+        inst.node_index(args.node)
+        faults.link(inst, args.node, args.iface, args.cmd == "link-up", say)
     else:
         action = {"kill-node": faults.kill_node, "start-node": faults.start_node,
                   "cut": faults.cut, "heal": faults.heal}[args.cmd]

@@ -28,12 +28,12 @@ def daemon_names(inst: Instance) -> list[str]:
 
 
 def healthy(inst: Instance) -> bool:
-    """Every daemon runs, every node's namespace exists with its link up, the controller answers."""
+    """Every daemon runs, every node's namespace exists with both paths up, the controller answers."""
     if not inst.nodes or not all(procs.daemon_pid(inst, d) for d in daemon_names(inst)):
         return False
     if sorted(netns.namespaces(inst)) != sorted(inst.netns(n) for n in inst.node_names):
         return False
-    return all(netns.link_is_up(inst, n) for n in inst.node_names) and slurmctl.ping(inst)
+    return all(netns.link_is_up(inst, n, i) for n in inst.node_names for i in netns.IFACES) and slurmctl.ping(inst)
 
 
 def up(inst: Instance, nodes: int, spares: int, say: Say) -> Instance:
@@ -172,6 +172,7 @@ def status(inst: Instance) -> dict[str, Any]:
     nodes = [{
         "name": n, "addr": inst.node_addr(n), "state": states.get(n, "unknown"), "spare": n in spares,
         "link": "up" if netns.link_is_up(inst, n) else "cut", "rate": netns.link_rate(inst, n),
+        "fabric_addr": inst.fabric_addr(n), "fabric": "up" if netns.link_is_up(inst, n, "eth1") else "down",
         "netns": inst.netns(n),
         "slurmd_pid": daemons_now.get(f"slurmd.{n}"),
     } for n in inst.node_names]

@@ -120,12 +120,14 @@ def plugstack_conf(inst: Instance) -> str:
 
 def torchpass_toml(inst: Instance) -> str:
     """The site's TorchPass config as an operator writes it: the broker (with torchpassd's account
-    and the CA), the credentials endpoint, this cluster's Slurm, and where torchpassd keeps its
-    journal and socket (tests and the demo derive their own from it)."""
+    and the CA), the credentials endpoint, this cluster's Slurm, where torchpassd keeps its journal
+    and socket, and the nodes' two paths (collectives on the eth1 fabric, eth0 their fallback);
+    tests and the demo derive their own from it."""
     return render({"broker": broker.settings(inst), "slurm": {"slurm_conf": str(inst.slurm_conf)},
                    "orchestrator": {"state_dir": str(inst.sub("torchpassd")),
                                     "control_socket": str(inst.run_dir / "torchpassd.sock"), "metrics_port": 0,
-                                    **broker.credentials(inst)}})
+                                    **broker.credentials(inst)},
+                   "links": {"fabric": "eth1", "fallback": "eth0"}})
 
 
 def hosts(inst: Instance, host: HostInfo) -> str:

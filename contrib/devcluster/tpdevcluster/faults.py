@@ -1,5 +1,6 @@
 """Fault injection on a running instance: kill-node (a dying tray), start-node, cut and heal
-(a network partition), shape (a slower link), and reset, which undoes every fault and cancels all jobs so each test
+(a network partition), link-down, link-up and link-flap (one of a node's two paths), shape (a
+slower link), and reset, which undoes every fault and cancels all jobs so each test
 starts from a clean, fully usable cluster without a restart."""
 
 from __future__ import annotations
@@ -60,15 +61,45 @@ def start_node(inst: Instance, node: str, say: Say, timeout: float = NODES_TIMEO
 
 
 def cut(inst: Instance, node: str, say: Say) -> None:
+    """A network partition of the node: both its paths down (its processes keep running)."""
     require_up(inst)
-    netns.set_link(inst, node, up=False)
+    for iface in netns.IFACES:
+        netns.set_link(inst, node, False, iface)
     say(f"{node}: network cut (processes keep running)")
 
 
 def heal(inst: Instance, node: str, say: Say) -> None:
     require_up(inst)
-    netns.set_link(inst, node, up=True)
+    for iface in netns.IFACES:
+        netns.set_link(inst, node, True, iface)
     say(f"{node}: network healed")
+
+
+def link(inst: Instance, node: str, iface: str, up: bool, say: Say) -> None:
+    """Take one of the node's paths (eth0 management, eth1 compute fabric) down or up."""
+    require_up(inst)
+    netns.set_link(inst, node, up, iface)
+    say(f"{node}: {iface} {'up' if up else 'down'}")
+
+
+def link_flap(inst: Instance, node: str, iface: str, period: float, duration: float, say: Say) -> None:
+    """Flap the node's path ``iface`` for ``duration`` seconds: down for half of each ``period``,
+    up for the other half, as a marginal cable or transceiver does; it is up when this returns."""
+    require_up(inst)
+    if period <= 0 or duration <= 0:
+        raise DevClusterError(f"link-flap needs a positive period and duration, got {period} and {duration}",
+                              instance=inst.id, node=node)
+    end, flips = time.monotonic() + duration, 0
+    try:
+        while time.monotonic() < end:
+            netns.set_link(inst, node, False, iface)
+            time.sleep(period / 2)
+            netns.set_link(inst, node, True, iface)
+            flips += 2
+            time.sleep(period / 2)
+    finally:
+        netns.set_link(inst, node, True, iface)
+    say(f"{node}: {iface} flapped {flips} times in {duration:g} s; up now")
 
 
 def shape(inst: Instance, node: str, gbit: float, say: Say) -> None:
@@ -82,11 +113,11 @@ def shape(inst: Instance, node: str, gbit: float, say: Say) -> None:
 
 
 def reset(inst: Instance, say: Say, timeout: float = NODES_TIMEOUT) -> None:
-    """Back to a clean, fully usable cluster without a restart: heal cut nodes, lift rate limits,
+    """Back to a clean, fully usable cluster without a restart: heal cut nodes and fabric links, lift rate limits,
     restart killed slurmds, cancel every job, resume drained/down nodes, restore the spare reservation."""
     require_up(inst)
     for node in inst.node_names:
-        if not netns.link_is_up(inst, node):
+        if not all(netns.link_is_up(inst, node, iface) for iface in netns.IFACES):
             heal(inst, node, say)
         if netns.link_rate(inst, node):
             shape(inst, node, 0, say)

@@ -1,5 +1,5 @@
-"""Naming of one dev cluster instance: its id, state directory, subnet, ports, namespaces and
-links, and its recorded shape (node and spare counts). Pure data: nothing here starts, stops or
+"""Naming of one dev cluster instance: its id, state directory, subnets (management and compute
+fabric), ports, namespaces and links, and its recorded shape (node and spare counts). Pure data: nothing here starts, stops or
 touches anything but the shape file."""
 
 from __future__ import annotations
@@ -143,6 +143,31 @@ class Instance:
     def veth(self, node: str) -> str:
         """Host side of the node's veth pair (the node side is eth0 inside its netns)."""
         return f"tpv{self.id}{node}"
+
+    # ---- the compute fabric: a second network, eth1 in every node --------------------------
+    @property
+    def fabric_subnet(self) -> str:
+        return f"10.78.{self.id}"
+
+    @property
+    def fabric_bridge(self) -> str:
+        return f"tpfb{self.id}"
+
+    def fabric_addr(self, node: str) -> str:
+        return f"{self.fabric_subnet}.{10 + self.node_index(node)}"
+
+    def fabric_veth(self, node: str) -> str:
+        """Host side of the node's fabric veth pair (the node side is eth1 inside its netns)."""
+        return f"tpf{self.id}{node}"
+
+    def host_end(self, node: str, iface: str) -> str:
+        """The host-side veth of ``node``'s interface ``iface`` (eth0: management, Slurm and the
+        broker; eth1: the compute fabric)."""
+        ends = {"eth0": self.veth, "eth1": self.fabric_veth}
+        if iface not in ends:
+            raise DevClusterError(f"a dev cluster node has interfaces eth0 and eth1, not {iface!r}",
+                                  instance=self.id, node=node)
+        return ends[iface](node)
 
     @property
     def marker(self) -> str:

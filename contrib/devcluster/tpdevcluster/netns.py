@@ -1,7 +1,9 @@
-"""The nodes' network: one bridge per instance (host side 10.77.<id>.1), one network namespace
-per node joined to it by a veth pair, cutting and healing a node's link, limiting its rate (a
-token bucket each way, to stand for a real NIC), and the command prefix that runs a program "on"
-a node (its netns, its own hostname, its own /etc/hosts)."""
+"""The nodes' network: one network namespace per node with two paths, each a veth pair into a
+bridge: eth0 on the management network (host side 10.77.<id>.1; Slurm, the broker, the nodes'
+names) and eth1 on the compute fabric (10.78.<id>.0/24, node to node only; the path the job's
+collectives take where the site config names it). Cutting and healing a node (eth0), taking one
+path down and up, limiting a node's rate (a token bucket each way, to stand for a real NIC), and
+the command prefix that runs a program "on" a node (its netns, hostname and /etc/hosts)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 from .errors import DevClusterError
 from .hostinfo import tool
 from .instance import Instance
+
+IFACES = ("eth0", "eth1")  # every node's two paths: management, compute fabric
 
 
 def ip(*args: str, check: bool = True) -> str:
@@ -27,14 +31,20 @@ def create(inst: Instance) -> None:
        "nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0")
     ip("addr", "add", f"{inst.bridge_addr}/24", "dev", inst.bridge)
     ip("link", "set", inst.bridge, "up")
+    ip("link", "add", inst.fabric_bridge, "type", "bridge",
+       "nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0")
+    ip("link", "set", inst.fabric_bridge, "up")  # no host address: the fabric joins nodes only
     for node in inst.node_names:
-        ns, veth = inst.netns(node), inst.veth(node)
+        ns = inst.netns(node)
         ip("netns", "add", ns)
-        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        ip("link", "set", veth, "master", inst.bridge, "up")
         ip("-n", ns, "link", "set", "lo", "up")
-        ip("-n", ns, "addr", "add", f"{inst.node_addr(node)}/24", "dev", "eth0")
-        ip("-n", ns, "link", "set", "eth0", "up")
+        for iface, bridge, addr in (("eth0", inst.bridge, inst.node_addr(node)),
+                                    ("eth1", inst.fabric_bridge, inst.fabric_addr(node))):
+            end = inst.host_end(node, iface)
+            ip("link", "add", end, "type", "veth", "peer", "name", iface, "netns", ns)
+            ip("link", "set", end, "master", bridge, "up")
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+            ip("-n", ns, "link", "set", iface, "up")
         ip("-n", ns, "route", "add", "default", "via", inst.bridge_addr)
 
 
@@ -46,11 +56,11 @@ def namespaces(inst: Instance) -> list[str]:
 
 
 def links(inst: Instance) -> list[str]:
-    """This instance's bridge and host-side veths that exist now."""
+    """This instance's bridges and host-side veths that exist now."""
     names = []
     for line in ip("-o", "link", "show", check=False).splitlines():
         name = line.split(":", 2)[1].strip().split("@")[0]
-        if name == inst.bridge or name.startswith(f"tpv{inst.id}n"):
+        if name in (inst.bridge, inst.fabric_bridge) or name.startswith((f"tpv{inst.id}n", f"tpf{inst.id}n")):
             names.append(name)
     return names
 
@@ -67,14 +77,17 @@ def destroy(inst: Instance) -> None:
         ip("link", "del", link, check=False)
 
 
-def set_link(inst: Instance, node: str, up: bool) -> None:
-    """Cut (down) or heal (up) the node's only link; its processes keep running."""
-    ip("link", "set", inst.veth(node), "up" if up else "down")
+def set_link(inst: Instance, node: str, up: bool, iface: str = "eth0") -> None:
+    """Take the node's path ``iface`` down or up (eth0 down: the node is cut off from Slurm, the
+    broker and its peers' management addresses); its processes keep running. The node side sees
+    the carrier go, as with a pulled cable."""
+    ip("link", "set", inst.host_end(node, iface), "up" if up else "down")
     if up:
         # Address resolutions that failed or are still failing during the cut would make the
-        # first connections after the heal fail with EHOSTUNREACH; forget them on both sides.
-        ip("-n", inst.netns(node), "neigh", "flush", "dev", "eth0", check=False)
-        ip("neigh", "flush", "dev", inst.bridge, "to", inst.node_addr(node), check=False)
+        # first connections after the heal fail with EHOSTUNREACH; forget them on the node's side.
+        ip("-n", inst.netns(node), "neigh", "flush", "dev", iface, check=False)
+        if iface == "eth0":
+            ip("neigh", "flush", "dev", inst.bridge, "to", inst.node_addr(node), check=False)
 
 
 def _tc(*args: str, check: bool = True) -> str:
@@ -103,10 +116,10 @@ def link_rate(inst: Instance, node: str) -> str | None:
     return words[words.index("rate") + 1] if "tbf" in words and "rate" in words else None
 
 
-def link_is_up(inst: Instance, node: str) -> bool:
-    """False while the node is cut (its host-side veth is administratively down)."""
+def link_is_up(inst: Instance, node: str, iface: str = "eth0") -> bool:
+    """False while the node's path ``iface`` is down (its host-side veth administratively down)."""
     try:
-        return bool(int(Path(f"/sys/class/net/{inst.veth(node)}/flags").read_text(), 16) & 0x1)
+        return bool(int(Path(f"/sys/class/net/{inst.host_end(node, iface)}/flags").read_text(), 16) & 0x1)
     except OSError:
         return False
 
