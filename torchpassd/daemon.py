@@ -275,7 +275,8 @@ class Orchestrator:
                                                               "reason": d.reason, "mode": reroute.MODE})
         plan = unplanned.UnplannedPlan(job=job, source=d.node, gen=gen, evidence=[d.reason], failed_at=seen,
                                        path=d.ifname, path_before=self.d.registry.job(job).path)
-        flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy)
+        flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy,
+                               control_up=self.unplanned.control_up)
         await self.unplanned.run(flow, flow.run([]))
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:

@@ -143,10 +143,11 @@ class UnplannedRecovery(Flow):
     mode = MODE
 
     def __init__(self, deps: Deps, plan: UnplannedPlan, migration: str, *, detected_at: float,
-                 no_spare: str = "wait") -> None:
+                 no_spare: str = "wait", control_up: Callable[[], bool] = lambda: True) -> None:
         super().__init__(deps, plan, migration, detected_at=detected_at)
         self.plan: UnplannedPlan = plan
         self.no_spare = no_spare
+        self.control_up = control_up  # torchpassd hears the launchpads (its broker connection is up)
         self._more: list[Death] = []
         self._changed = asyncio.Event()
         self._slurm = asyncio.Lock()  # one job resize at a time
@@ -408,13 +409,20 @@ class UnplannedRecovery(Flow):
 
     async def _wait_interrupted(self) -> None:
         """Until every survivor parked with its just-in-time state (bounded: a collective with
-        a lost peer raises within timeouts.collective, one step within timeouts.step)."""
+        a lost peer raises within timeouts.collective, one step within timeouts.step). While
+        torchpassd cannot hear the launchpads (its broker connection is down) the bound holds
+        still: their reports wait in the outage, not in the job."""
         p = self.plan
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.t.step + self.t.collective
         view = self.view()
         baseline = {n: view.launchpads[n].max_step for n in p.survivors if n in view.launchpads}
+        last = loop.time()
         while True:
+            now = loop.time()
+            if not self.control_up():
+                deadline += now - last
+            last = now
             await self._absorb()
             # a launchpad that reports late (torchpassd just restarted: it has not heard every node yet) joins in
             p.survivors = sorted(n for n in {*p.survivors, *self._survivors()} if n not in p.dead)
@@ -628,6 +636,7 @@ class Driver:
     def __init__(self, orch: Any, control_up: Callable[[], bool]) -> None:
         self.o, self.d = orch, orch.d
         self.policy = self.d.cfg.orchestrator.unplanned_no_spare
+        self.control_up = control_up
         self.dead: dict[str, dict[str, Death]] = {}
         self.running: dict[str, UnplannedRecovery] = {}
         self.given_up: set[str] = set()  # jobs whose recovery failed: ending, nothing more to judge
@@ -758,7 +767,8 @@ class Driver:
                                                               "reason": reason, "mode": MODE})
         plan = UnplannedPlan(job=job, source=first.node, gen=gen, evidence=list(first.evidence),
                              failed_at=min(d.failed_at for d in deaths))
-        flow = UnplannedRecovery(self.d, plan, mid, detected_at=first.decided_at, no_spare=self.policy)
+        flow = UnplannedRecovery(self.d, plan, mid, detected_at=first.decided_at, no_spare=self.policy,
+                                 control_up=self.control_up)
         await self.run(flow, flow.run(deaths))
 
     async def run(self, flow: UnplannedRecovery, work: Awaitable[str]) -> None:
@@ -782,5 +792,5 @@ class Driver:
     async def resume(self, rec: jn.MigrationRecord, kind: type[UnplannedRecovery] = UnplannedRecovery) -> None:
         """A recovery (of ``kind``: a reroute is one) a previous torchpassd left in flight."""
         plan = UnplannedPlan.from_record(rec)
-        flow = kind(self.d, plan, rec.id, detected_at=rec.started, no_spare=self.policy)
+        flow = kind(self.d, plan, rec.id, detected_at=rec.started, no_spare=self.policy, control_up=self.control_up)
         await self.run(flow, resume_after_restart(flow, rec.phase))

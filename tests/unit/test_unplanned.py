@@ -21,6 +21,7 @@ from torchpass_common import agent_channel as ac
 from torchpass_common import protocol, rank_ranges
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError
+from torchpass_common.timeouts import Timeouts
 from torchpassd import journal as jn
 from torchpassd.failure_detect import Death
 from torchpassd.metrics import Metrics
@@ -746,4 +747,30 @@ def test_a_death_decided_while_the_running_recovery_fails_waits_for_the_next_one
     taken, waiting, spawned = asyncio.run(go())
     assert [d.node for d in taken] == ["n2"]
     assert list(waiting["7"]) == ["n3"] and spawned == ["7"]
+    w.close()
+
+
+@pytest.mark.parametrize("broker_down", [True, False], ids=["broker-down", "broker-up"])
+def test_the_wait_for_interrupted_survivors_holds_while_torchpassd_cannot_hear_them(tmp_path: Path,
+                                                                                   broker_down: bool) -> None:
+    """The survivors' interrupted reports arrive after the wait's bound: during a broker outage
+    (torchpassd hears nobody) the bound holds still and the recovery goes on; with the broker up
+    they are late and the recovery fails saying who did not report."""
+    w = World(tmp_path, ["n5"])
+
+    async def go() -> str:
+        await w.setup()
+        rec = w.recovery()
+        rec.t = Timeouts(collective=0.2, step=0.3, reform=1.0, decision=5.0)  # a bound of 0.5 s
+        rec.control_up = lambda: not broker_down
+        interrupt = asyncio.create_task(w.interrupt(delay=1.5))
+        status = await rec.run([_death("n3", 2)])
+        await interrupt
+        return status
+    status = asyncio.run(go())
+    rec = w.journal.history()[0]
+    if broker_down:
+        assert status == jn.SUCCEEDED, rec.error
+    else:
+        assert status == jn.FAILED and "did not report their workers interrupted" in (rec.error or ""), rec.error
     w.close()
