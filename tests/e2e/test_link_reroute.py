@@ -66,6 +66,13 @@ def assert_identical_replays_aside(job: Training, want: tuple) -> int:
     return replays
 
 
+def ends_completed_and_identical(job: Training, devcluster: DevCluster, want: tuple) -> None:
+    job.wait_done(timeout=240)
+    assert_identical_replays_aside(job, want)
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
 def start(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon) -> Training:
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
     view = job.wait_running(daemon, min_step=5)
@@ -98,10 +105,7 @@ def test_a_fabric_link_down_reroutes_over_the_fallback_and_back(
     pauses = [next(p for p in m["phases"] if p["phase"] == "resumed")["detail"]["pause_s"] for m in (away, back)]
     print(f"reroute pauses: away {pauses[0]:.2f} s, back {pauses[1]:.2f} s")
     assert_untouched_nodes(torchpassd, devcluster, job)
-    job.wait_done(timeout=240)
-    assert_identical_replays_aside(job, reference(STEPS))
-    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
-    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    ends_completed_and_identical(job, devcluster, reference(STEPS))
 
 
 def test_a_flapping_fabric_link_is_damped_to_one_switch(
@@ -113,11 +117,8 @@ def test_a_flapping_fabric_link_is_damped_to_one_switch(
     assert [m["status"] for m in reroutes(torchpassd, job.job)] == ["succeeded"], "not damped: more than one switch"
     assert torchpassd.job(job.job)["path"] == "eth0"  # stays on the fallback while the link is not quiet
     assert "links.flapping" in torchpassd.log_path.read_text()
-    job.wait_done(timeout=240)
+    ends_completed_and_identical(job, devcluster, reference(STEPS))
     assert len(reroutes(torchpassd, job.job)) == 1
-    assert_identical_replays_aside(job, reference(STEPS))
-    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
-    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
 
 
 def test_a_node_with_both_links_down_is_rebuilt_on_a_spare(
@@ -131,7 +132,4 @@ def test_a_node_with_both_links_down_is_rebuilt_on_a_spare(
     assert not reroutes(torchpassd, job.job), "a node without any path is no reroute"
     wait_until("n5 in the job instead of n3", lambda: {"n5"} <= set(torchpassd.job(job.job)["nodes"])
                and "n3" not in torchpassd.job(job.job)["nodes"], 60)
-    job.wait_done(timeout=240)
-    assert_identical_replays_aside(job, reference(STEPS))
-    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
-    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    ends_completed_and_identical(job, devcluster, reference(STEPS))
