@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.devcluster import DevCluster
-from tests.support.e2e import Daemon, Training, sacct_state, wait_until
+from tests.support.e2e import Daemon, Training, reference_log, sacct_state, wait_until
 from torchpassd.drill_report import read_log
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow]
@@ -73,8 +73,8 @@ def ends_completed_and_identical(job: Training, devcluster: DevCluster, want: tu
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
 
 
-def start(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon) -> Training:
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP)
+def start(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon, nproc: int = 1) -> Training:
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nproc=nproc)
     view = job.wait_running(daemon, min_step=5)
     assert view["path"] == "eth1" and {lp["path"] for lp in view["launchpads"].values()} == {"eth1"}, view
     assert fabric_traffic(devcluster, "n2") > 10_000, "the job's collectives do not take the fabric"
@@ -86,9 +86,11 @@ def assert_untouched_nodes(daemon: Daemon, devcluster: DevCluster, job: Training
     assert "n5" in devcluster.run("scontrol", "show", "res", "torchpass_spares").stdout, "the spare was taken"
 
 
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.matrix)], ids=["1-rank", "2-ranks"])
 def test_a_fabric_link_down_reroutes_over_the_fallback_and_back(
-        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
-    job = start(devcluster, tp_config, workdir, torchpassd)
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference,  # noqa: ANN001
+        nproc: int) -> None:
+    job = start(devcluster, tp_config, workdir, torchpassd, nproc)
     devcluster.link_down("n2", "eth1")
     (away,) = wait_reroutes(torchpassd, job.job, 1)
     assert away["source"] == "n2" and not away["target"] and "eth1 down on n2" in away["reason"], away
@@ -105,7 +107,8 @@ def test_a_fabric_link_down_reroutes_over_the_fallback_and_back(
     pauses = [next(p for p in m["phases"] if p["phase"] == "resumed")["detail"]["pause_s"] for m in (away, back)]
     print(f"reroute pauses: away {pauses[0]:.2f} s, back {pauses[1]:.2f} s")
     assert_untouched_nodes(torchpassd, devcluster, job)
-    ends_completed_and_identical(job, devcluster, reference(STEPS))
+    want = reference(STEPS) if nproc == 1 else read_log(reference_log(workdir, len(NODES) * nproc, STEPS))
+    ends_completed_and_identical(job, devcluster, want)
 
 
 def test_a_flapping_fabric_link_is_damped_to_one_switch(
