@@ -49,7 +49,8 @@ def test_job_trains_and_migrates_with_its_own_broker_account(torchpassd: Daemon,
     links = wait_until("the launchpads' link reports", lambda: [lp.get("links") for lp in
                                                                    torchpassd.job(job.job)["launchpads"].values()
                                                                    if lp.get("links")] or None, 30)
-    assert all(set(lk) == {"eth0"} and lk["eth0"]["carrier"] is True for lk in links), links  # each node's own link
+    # each node's own two links (management and compute fabric), as seen in its network namespace
+    assert all(set(lk) == {"eth0", "eth1"} and all(lk[i]["carrier"] is True for i in lk) for lk in links), links
     devcluster.drain("n3", "planned maintenance")
     mig = torchpassd.wait_migration(job.job, "n3")
     assert mig["status"] == "succeeded" and mig["target"] == "n5", mig  # the joiner got an account too
