@@ -100,10 +100,11 @@ def test_sbatch_on_three_nodes_runs_one_task_per_distinct_host(devcluster: DevCl
     tasks = sorted(line.split()[1:] for line in devcluster.job_output(job).splitlines()
                    if line.startswith("task "))
     assert len(tasks) == 3
-    assert len({host for host, _ in tasks}) == 3
-    for host, addr in tasks:
+    assert len({host for host, *_ in tasks}) == 3
+    for host, *addrs in tasks:
         assert host in {"n1", "n2", "n3", "n4"}  # never the spare: it is reserved
-        assert addr == f"10.77.{devcluster.id}.{10 + int(host[1:])}"
+        # its management address (eth0), then its compute-fabric one (eth1)
+        assert addrs == [f"10.77.{devcluster.id}.{10 + int(host[1:])}", f"10.78.{devcluster.id}.{10 + int(host[1:])}"]
 
 
 @slurm
@@ -135,9 +136,9 @@ def test_a_drained_node_is_seen_draining_while_its_job_runs(devcluster: DevClust
 def test_exec_runs_inside_the_named_node(devcluster: DevCluster) -> None:
     devcluster.reset()
     out = devcluster.exec("n3", ["sh", "-c", "hostname; hostname -I; getent hosts n1 ctl"]).stdout.split()
-    assert out[:2] == ["n3", f"10.77.{devcluster.id}.13"]
-    assert out[2:4] == [f"10.77.{devcluster.id}.11", "n1"]
-    assert out[4:6] == [f"10.77.{devcluster.id}.1", "ctl"]
+    assert out[:3] == ["n3", f"10.77.{devcluster.id}.13", f"10.78.{devcluster.id}.13"]  # eth0, eth1
+    assert out[3:5] == [f"10.77.{devcluster.id}.11", "n1"]  # names resolve to the management network
+    assert out[5:7] == [f"10.77.{devcluster.id}.1", "ctl"]
     assert devcluster.exec("n3", ["false"], check=False).returncode == 1
     broker = devcluster.info["broker"]
     assert can_connect(devcluster, "n3", broker["host"], broker["port"])
