@@ -267,12 +267,7 @@ class Orchestrator:
         await self._conclude(mig, await mig.run())
 
     async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> None:
-        rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
-        gen = rec.gen if rec else 1
-        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=reroute.MODE, source=d.node,
-                                      reason=d.reason, gen=gen)
-        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": d.node,
-                                                              "reason": d.reason, "mode": reroute.MODE})
+        mid, gen = await self.unplanned.open_record(job, reroute.MODE, d.node, d.reason)
         plan = unplanned.UnplannedPlan(job=job, source=d.node, gen=gen, evidence=[d.reason], failed_at=seen,
                                        path=d.ifname, path_before=self.d.registry.job(job).path)
         flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy,

@@ -1,8 +1,8 @@
 """torchpassd's link policy (issue 24): which network path a job's collectives take, from the links
 its launchpads report with their heartbeats. A node whose fabric link (``links.fabric``) lost its
 carrier while the node itself is healthy (its launchpad still heartbeats over the management
-network) reroutes the whole job over ``links.fallback``: its groups are re-formed over the fallback
-at a step boundary, no rank moves (reroute.py). Back on the fabric once every node's fabric link
+network) reroutes the whole job over ``links.fallback``: every rank's collectives are cut and its
+groups re-formed over the fallback, resuming at the step that failed; no rank moves (reroute.py). Back on the fabric once every node's fabric link
 has been up ``hold_down`` seconds and none is flapping (``flap_transitions`` changes within
 ``flap_window`` seconds: damped, the job stays on the fallback). A node whose fallback is down too,
 or a site without a fallback, has its ranks migrated like a drain. Jobs that chose their own

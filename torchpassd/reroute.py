@@ -34,10 +34,10 @@ class Reroute(unplanned.UnplannedRecovery):
         """Over the new path. The store: the one every launchpad of the job rendezvoused on (its
         default), unless a node died meanwhile and its seat read the workers' store (a joiner knows
         no other)."""
-        p = self.plan
-        if p.store_port:
-            return {**super()._reform_args(gen), "ifname": p.path}
-        return {"gen": gen, "world_size": p.world_size, "prefix": f"/torchpass/{p.job}/gen{gen}", "ifname": p.path}
+        args = {**super()._reform_args(gen), "ifname": self.plan.path}
+        if not self.plan.store_port:
+            del args["store_host"], args["store_port"]
+        return args
 
     async def finish(self) -> str:
         """The recovery's re-form and resume; once they succeeded the registry says at once that the

@@ -755,16 +755,22 @@ class Driver:
                     "the job recovers when one appears (orchestrator.unplanned_no_spare = wait)")
         return ""
 
-    async def _recover(self, job: str, deaths: list[Death]) -> None:
+    async def open_record(self, job: str, mode: str, source: str, reason: str) -> tuple[str, int]:
+        """Journal a recovery (or reroute) of ``job`` starting in its current generation and announce
+        it; returns (migration id, generation)."""
         rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
         gen = rec.gen if rec else 1
+        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=mode, source=source,
+                                      reason=reason, gen=gen)
+        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": source,
+                                                              "reason": reason, "mode": mode})
+        return mid, gen
+
+    async def _recover(self, job: str, deaths: list[Death]) -> None:
         first = deaths[0]
         reason = (f"ranks {list(first.ranks)} crashed on {first.node}: " if first.in_place
                   else f"node {first.node} died: ") + "; ".join(first.evidence)
-        mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=MODE, source=first.node,
-                                      reason=reason, gen=gen)
-        await self.d.publish_event(job, "migration.started", {"migration": mid, "source": first.node,
-                                                              "reason": reason, "mode": MODE})
+        mid, gen = await self.open_record(job, MODE, first.node, reason)
         plan = UnplannedPlan(job=job, source=first.node, gen=gen, evidence=list(first.evidence),
                              failed_at=min(d.failed_at for d in deaths))
         flow = UnplannedRecovery(self.d, plan, mid, detected_at=first.decided_at, no_spare=self.policy,
