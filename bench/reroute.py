@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,6 @@ from bench.recovery import ROOT, DrillDaemon, _say, prepare_cluster
 from torchpassd.goodput import ratio
 
 STEPS, STEP_SLEEP, NODES = 600, 0.1, 4
-
-
-def _wait(what: str, check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
-    return value
 
 
 def _ended(daemon: DrillDaemon, job: str, count: int, mode: str) -> list[dict[str, Any]] | None:
@@ -40,7 +30,8 @@ def _pause(mig: dict[str, Any]) -> float | None:
 
 
 def measure(cluster: Any, work: Path, state_mib: int) -> dict[str, Any]:
-    from tests.support.e2e import Training  # the job as a user submits it: sbatch --torchpass, srun torchrun
+    # the job as a user submits it (sbatch --torchpass, srun torchrun), and the tests' wait
+    from tests.support.e2e import Training, wait_until
 
     daemon = DrillDaemon(cluster, work)
     try:
@@ -50,13 +41,13 @@ def measure(cluster: Any, work: Path, state_mib: int) -> dict[str, Any]:
             j = next((j for j in daemon.client.call("jobs") if j["job"] == job.job), None)
             workers = [w for lp in (j or {}).get("launchpads", {}).values() for w in lp["workers"]]
             return bool(j) and j["path"] == "eth1" and len(workers) == NODES and min(w["step"] for w in workers) >= 5
-        _wait("the job to train", training, 300)
+        wait_until("the job to train", training, 300)
         cluster.link_down("n2", "eth1")
-        (away,) = _wait("the reroute over eth0", lambda: _ended(daemon, job.job, 1, "reroute"), 120)
+        (away,) = wait_until("the reroute over eth0", lambda: _ended(daemon, job.job, 1, "reroute"), 120)
         cluster.link_up("n2", "eth1")
-        back = _wait("the reroute back to eth1", lambda: _ended(daemon, job.job, 2, "reroute"), 120)[1]
+        back = wait_until("the reroute back to eth1", lambda: _ended(daemon, job.job, 2, "reroute"), 120)[1]
         cluster.drain("n3", "bench reroute: a planned migration to compare with")
-        (planned,) = _wait("the planned migration off n3", lambda: _ended(daemon, job.job, 1, "planned-aware"), 240)
+        (planned,) = wait_until("the planned migration off n3", lambda: _ended(daemon, job.job, 1, "planned-aware"), 240)
     finally:
         daemon.stop()
         cluster.reset()
