@@ -49,8 +49,8 @@ class Agent:
         os.environ[ac.ENV_TIMEOUTS] = json.dumps(dataclasses.asdict(self.timeouts))
         # the interface the workers' collectives take (heartbeats report it; reform may change it)
         self.path = collective_path.start_path(os.environ, config.links.fabric)
-        self._tmp = Path(tempfile.mkdtemp(prefix="launchpad-"))
-        self.channel = ChannelServer(str(self._tmp / "agent.sock"))
+        self.scratch = Path(tempfile.mkdtemp(prefix="launchpad-"))
+        self.channel = ChannelServer(str(self.scratch / "agent.sock"))
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")
         self._stop = asyncio.Event()
         self._signal: int | None = None
@@ -89,7 +89,7 @@ class Agent:
             self._store_thread.shutdown(wait=True, cancel_futures=True)
             if self.rdzv is not None:
                 self.rdzv.close()
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     async def _rounds(self) -> int:
         """torchrun's rule: on a failure restart all workers (every node, a new round) until

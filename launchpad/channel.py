@@ -29,7 +29,8 @@ def patience(step_s: float | None, floor: float, steps: int) -> float:
 
 @dataclass
 class WorkerLink:
-    """One connected worker as the agent sees it."""
+    """One connected worker as the agent sees it. Its lifecycle (``state``, ``joining``,
+    ``recovering``: worker_state.Lifecycle) starts at its hello and moves with each message it sends."""
 
     rank: int
     local_rank: int
@@ -37,7 +38,7 @@ class WorkerLink:
     joining: bool
     chan: ac.AsyncChannel
     step: int = 0
-    state: WorkerState = WorkerState.RUNNING
+    state: WorkerState = WorkerState.RUNNING  # where its hello put it
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
@@ -115,19 +116,18 @@ class ChannelServer:
             return
         if "step" in msg:
             link.step = msg["step"]
-        link.state = worker_state.after(link.state, kind)
+        before = link.state
+        if not worker_state.advance(link, msg):
+            self._log.warning("channel.unexpected_move", rank=link.rank, pid=link.pid, kind=kind, before=before,
+                              after=link.state)
         if kind == ac.INTERRUPTED:
-            link.interruption, link.recovering = {k: msg[k] for k in ("gen", "registered", "error")}, True
+            link.interruption = {k: msg[k] for k in ("gen", "registered", "error")}
             link.interrupted_at = time.time()
             self._log.warning("channel.worker_interrupted", rank=link.rank, pid=link.pid, **link.interruption)
             if self.on_interrupted is not None:
                 self.on_interrupted(link)
         elif kind == ac.JOINED:
             link.interruption = None
-        elif kind == ac.RESUMED:
-            link.recovering = False
-        if kind == ac.RESUMED:  # a joiner that resumed with the group is a member like any other
-            link.joining = False
         if kind == ac.ERROR:
             link.error = msg["msg"]
             self._log.error("channel.worker_error", rank=link.rank, pid=link.pid, error=msg["msg"])

@@ -9,9 +9,10 @@ import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launchpad.channel import WorkerLink
+from launchpad.node_context import NodeContext
 from launchpad.stall_watch import StallWatch
 from launchpad.transparent import Transparent
 from torchpass_common import agent_channel as ac
@@ -19,9 +20,6 @@ from torchpass_common import collective_path, transfer_address
 from torchpass_common.errors import MigrationError, ProtocolError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
 from torchpass_common.worker_state import WorkerState
-
-if TYPE_CHECKING:
-    from launchpad.agent import Agent
 
 Handler = Callable[[dict[str, Any], int, str], Awaitable[dict[str, Any]]]
 
@@ -76,7 +74,7 @@ def _loads(raw: Any, lagging: list[int]) -> dict[int, dict[str, Any]]:
 class Commands:
     """Handlers keyed by command name; ``gen`` is the command message's generation."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: NodeContext) -> None:
         self.agent = agent
         self.joiners: dict[str, list[int]] = {}  # migration -> pids of joiners it started
         self.handlers: dict[str, Handler] = {

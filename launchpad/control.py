@@ -9,9 +9,10 @@ import asyncio
 import contextlib
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launchpad.commands import Commands
+from launchpad.node_context import NodeContext
 from launchpad.telemetry.links import LinkWatch
 from launchpad.telemetry.sampler import Sampler
 from torchpass_common import broker_check, job_credentials, log, mqtt, protocol, rank_ranges
@@ -19,14 +20,11 @@ from torchpass_common.errors import TorchPassError
 from torchpass_common.tasks import cancel_all
 from torchpass_common.worker_state import WorkerState
 
-if TYPE_CHECKING:
-    from launchpad.agent import Agent
-
 
 class ControlPlane:
     """Runs while the agent runs (``async with``); needs ``agent.spec.job`` and ``agent.node``."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: NodeContext) -> None:
         self.agent = agent
         self.job, self.node = str(agent.spec.job), agent.node
         self.commands = Commands(agent)

@@ -15,21 +15,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from criu_hooks import image_owner, preflight, runner
 from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
+from launchpad.channel import WorkerLink
+from launchpad.node_context import NodeContext
 from launchpad.wormhole import File, StateReceiver, send_state
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, ProtocolError, TorchPassError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
-
-if TYPE_CHECKING:
-    from launchpad.agent import Agent
-    from launchpad.channel import WorkerLink
 
 _SOCKETS_CLOSED_S = 10.0
 
@@ -68,14 +66,14 @@ class _Incoming:
     state: asyncio.Future[Any]
 
 
-def _where(agent: Agent, migration: str, **more: Any) -> dict[str, Any]:
+def _where(agent: NodeContext, migration: str, **more: Any) -> dict[str, Any]:
     return {"job": agent.spec.job, "node": agent.node, "migration": migration, **more}
 
 
 class Transparent:
     """The transparent-move commands of one launchpad (merged into Commands.handlers)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: NodeContext) -> None:
         self.agent = agent
         self.incoming: dict[str, _Incoming] = {}
         self.originals: dict[str, workers.Worker] = {}  # migration -> the dumped, stopped worker
@@ -173,7 +171,7 @@ class Transparent:
         ctl_fd = _control_fd_of(w)
         pipes = {str(fd): name for fd, name in criu_spawn.stdio_pipes(w.pid).items()}  # msgpack: str keys
         resources = {"pipes": pipes, "control": os.readlink(f"/proc/{w.pid}/fd/{ctl_fd}")}
-        images = self.agent._tmp / f"dump-{migration[:12]}-{rank}"
+        images = self.agent.scratch / f"dump-{migration[:12]}-{rank}"
         fault = self._fault("dump")
         try:
             dumped = await asyncio.to_thread(runner.dump, w.pid, images, tcp_close=not fault, page_server=page,
@@ -245,7 +243,7 @@ class Transparent:
     async def _incoming(self, key: str, move: _Move, args: dict[str, Any],
                         where: dict[str, Any]) -> _Incoming:
         migration, rank = key.split("/")
-        images = self.agent._tmp / f"restore-{migration[:12]}-{rank}"  # one directory per moving worker
+        images = self.agent.scratch / f"restore-{migration[:12]}-{rank}"  # one directory per moving worker
         try:
             server = await asyncio.to_thread(runner.PageServer, images, str(args.get("page_host")),
                                              move.page_port, where=where)

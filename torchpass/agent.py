@@ -30,10 +30,11 @@ from torchpass import (
     steps,
 )
 from torchpass_common import agent_channel as ac
-from torchpass_common import collective_path, log
+from torchpass_common import collective_path, log, worker_state
 from torchpass_common.errors import TorchPassError, WorkerError
 from torchpass_common.timeouts import Timeouts
 from torchpass_common.transfer_address import TransferAddress
+from torchpass_common.worker_state import WorkerState
 
 _GONE = {"t": "_agent_gone"}  # queued by the reader thread when launchpad closes the socket
 # Step reports are thinned to one per this many seconds: launchpad then wakes at most ~10 times a
@@ -46,14 +47,16 @@ REPORT_EVERY_S = 0.1
 
 
 class Agent:
-    """One per worker process, created by the bootstrap when TORCHPASS_AGENT_SOCKET is set."""
+    """One per worker process, created by the bootstrap when TORCHPASS_AGENT_SOCKET is set. Its
+    lifecycle (``state``, ``joining``, ``recovering``: worker_state.Lifecycle) moves only with the
+    messages it sends, by the same table launchpad applies to them."""
 
     def __init__(self, chan: ac.SyncChannel, *, rank: int, local_rank: int, joining: bool,
                  timeouts: Timeouts | None = None) -> None:
         self.chan = chan
         self.rank = rank
         self.local_rank = local_rank
-        self.joining = joining
+        self.state, self.joining, self.recovering = WorkerState.STARTING, joining, False
         self.timeouts = timeouts or Timeouts()
         self.save_fn: Callable[[], Any] | None = None
         self.load_fn: Callable[[Any], None] | None = None
@@ -62,9 +65,8 @@ class Agent:
         self._pause: dict[str, Any] | None = None
         self._gone = False
         self.log = log.get(rank=rank)
-        self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script
+        self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script, until loaded
         self._reported: tuple[float, bool] = (-REPORT_EVERY_S, False)  # (when, registered) of the last report
-        self.recovering = False  # from an interruption until the resume: an exit then is a failure
         self._armed: tuple[int, list[Any]] | None = None  # (gen, hooks) waiting for the next forward
         self._forwardless = False  # a step ran without any module forward: park at the step boundary
         self._layout_sent = False
@@ -72,8 +74,10 @@ class Agent:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self.chan.send(ac.message(ac.HELLO, rank=self.rank, local_rank=self.local_rank, pid=criu_park.host_pid(),
-                                  joining=self.joining))
+        hello = ac.message(ac.HELLO, rank=self.rank, local_rank=self.local_rank, pid=criu_park.host_pid(),
+                           joining=self.joining)
+        self._advance(hello)
+        self.chan.send(hello)
         threading.Thread(target=self._read, name="torchpass-agent", daemon=True).start()
         steps.on_boundary(self._on_boundary)
 
@@ -110,6 +114,7 @@ class Agent:
     # -- running ---------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> None:
         """Send to launchpad; if it is gone, note it and carry on training."""
+        self._advance(msg)
         if self._gone:
             return
         try:
@@ -117,6 +122,11 @@ class Agent:
         except OSError as e:
             self.log.error("agent.send_failed", error=str(e), kind=msg["t"])
             self._agent_gone()
+
+    def _advance(self, msg: dict[str, Any]) -> None:
+        before = self.state
+        if not worker_state.advance(self, msg):  # a bug in this library: say so, the message still goes
+            self.log.warning("agent.unexpected_move", kind=msg["t"], before=before, after=self.state)
 
     def _on_boundary(self, step: int) -> None:
         if self._armed is not None:
@@ -152,7 +162,7 @@ class Agent:
             if msg["t"] == ac.PAUSE:
                 self._pause = msg
             elif msg["t"] == ac.EXIT:
-                self._exit()
+                self.exit()
             elif msg is _GONE:
                 self._agent_gone()
             else:
@@ -216,16 +226,7 @@ class Agent:
         there) or exit. A failed command is reported as an error; the rank stays parked."""
         deadline = time.monotonic() + self.timeouts.decision * 2
         while True:
-            try:
-                msg = self._commands.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise WorkerError(f"parked {self.timeouts.decision * 2:.0f} s without a resume",
-                                  hint="launchpad lost track of this rank", rank=self.rank,
-                                  step=steps.current()) from None
-            if msg is _GONE:
-                self._agent_gone()
-                raise WorkerError("launchpad went away while this rank was parked", rank=self.rank,
-                                  step=steps.current(), hint="the job cannot continue without its agent")
+            msg = self.command(deadline, "parked", "a resume", hint="launchpad lost track of this rank")
             try:
                 if self._on_parked(msg):
                     return
@@ -239,13 +240,12 @@ class Agent:
         elif kind == ac.REFORM:
             self._reform(msg)
         elif kind == ac.RESUME:
-            self.recovering = False
             self.send(ac.message(ac.RESUMED, gen=msg["gen"]))
             self.log.info("agent.resumed", gen=msg["gen"], step=step)
             self._wake = not self._commands.empty()
             return True
         elif kind == ac.EXIT:
-            self._exit()
+            self.exit()
         elif kind == ac.DETACH:  # transparent mode: criu moves this process now (criu_park)
             criu_park.detach(self)
         elif kind == ac.PAUSE and msg["at_step"] > step:
@@ -291,14 +291,18 @@ class Agent:
             self.log.info("agent.reformed", gen=gen, seconds=round(time.perf_counter() - t0, 4))
         self.send(ac.message(ac.REFORMED, gen=gen))
 
-    def _exit(self) -> None:
+    def exit(self) -> None:
         """Leave the job: this rank's state has been handed over (or the job is ending). The
-        process ends at once: tearing down DDP and a communicator whose peers moved on can hang."""
-        self.log.info("agent.exit", step=steps.current())
+        process ends at once: tearing down DDP and a communicator whose peers moved on can hang.
+        A rank told to exit while recovering ends as failed: the job was given up."""
+        if self.recovering:
+            self.log.error("agent.exit_interrupted", step=steps.current())
+        else:
+            self.log.info("agent.exit", step=steps.current())
         self.chan.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(recovery.EXIT_INTERRUPTED if self.recovering else 0)  # a recovery given up: the job failed
+        os._exit(recovery.EXIT_INTERRUPTED if self.recovering else 0)
 
     def drop_pause(self) -> None:
         """Forget a pause launchpad asked for: the rank was interrupted before reaching its step."""
@@ -308,6 +312,31 @@ class Agent:
         """The next command from launchpad (``{"t": "_agent_gone"}`` once it closed the channel);
         queue.Empty at ``deadline`` (time.monotonic())."""
         return self._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+
+    def command(self, deadline: float, waiting: str, awaited: str, *, hint: str) -> dict[str, Any]:
+        """The next command for a rank that is ``waiting`` (parked, interrupted) for ``awaited``; a
+        WorkerError when none comes by ``deadline`` (the wait's bound: timeouts.decision x 2) or
+        launchpad went away."""
+        try:
+            msg = self.next_command(deadline)
+        except queue.Empty:
+            raise WorkerError(f"{waiting} {self.timeouts.decision * 2:.0f} s without {awaited}", hint=hint,
+                              rank=self.rank, step=steps.current()) from None
+        if msg is _GONE:
+            self._agent_gone()
+            raise WorkerError(f"launchpad went away while this rank was {waiting}", rank=self.rank,
+                              step=steps.current(), hint="the job cannot continue without its agent")
+        return msg
+
+    def recover(self, exc: BaseException) -> None:
+        """After an interruption (``exc`` left the script): capture and report, wait for
+        launchpad's recover; on return the script runs again and its register() loads."""
+        self.rejoin = recovery.interrupt(self, exc)
+
+    def must_load(self) -> bool:
+        """Does register() load a running rank's state now: a joiner that has not joined yet, or a
+        survivor re-entering its script after a recover."""
+        return self.rejoin is not None or (self.joining and self.state is WorkerState.RUNNING)
 
     def reconnect(self, chan: ac.SyncChannel) -> None:
         """Talk to launchpad through ``chan`` from now on (a worker criu restored elsewhere): hello

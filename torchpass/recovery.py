@@ -8,10 +8,7 @@ side is launchpad/commands.py ``recover``."""
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import socket
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -99,20 +96,11 @@ def wait_for_recover(agent: Agent, own: dict[str, Any] | None, step: int, gen: i
         if report:
             agent.send(ac.message(ac.INTERRUPTED, gen=gen, step=step, registered=own is not None, error=error))
             report = False
-        try:
-            msg = agent.next_command(deadline)
-        except queue.Empty:
-            raise WorkerError(f"interrupted {agent.timeouts.decision * 2:.0f} s without a recover",
-                              hint="no orchestrator recovered the job; restart it from its last checkpoint",
-                              rank=agent.rank, step=step) from None
+        msg = agent.command(deadline, "interrupted", "a recover",
+                            hint="no orchestrator recovered the job; restart it from its last checkpoint")
         kind = msg["t"]
-        if kind == "_agent_gone":
-            raise WorkerError("launchpad went away while this rank was interrupted", rank=agent.rank, step=step)
-        if kind == ac.EXIT:  # the job is given up: end as failed
-            agent.log.error("agent.exit_interrupted", step=step)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
+        if kind == ac.EXIT:  # the job is given up: end as failed (the agent is recovering)
+            agent.exit()
         if kind != ac.RECOVER:
             agent.error(f"{kind} received while interrupted; only recover and exit are valid then")
             report = True

@@ -47,9 +47,8 @@ def recover(exc: BaseException) -> None:
     """After an interruption: capture and report, wait for launchpad's recover, and return when
     the bootstrap should run the script again; its register() then loads the state (joining mode)."""
     assert _agent is not None
-    rejoin = recovery.interrupt(_agent, exc)
+    _agent.recover(exc)
     default_group.install(joining=True)
-    _agent.rejoin, _agent.joining, _agent.recovering = rejoin, True, True
 
 
 def register(save: Callable[[], Any], load: Callable[[Any], None]) -> None:
@@ -57,6 +56,5 @@ def register(save: Callable[[], Any], load: Callable[[Any], None]) -> None:
     if _agent is None:
         return
     _agent.save_fn, _agent.load_fn = save, load
-    if _agent.joining:
-        _agent.joining = False
+    if _agent.must_load():
         _agent.join()
