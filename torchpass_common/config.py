@@ -148,7 +148,8 @@ class LinksConfig:
     interface they take (launchpad sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to it for a job
     that sets neither); "" leaves the choice to the job and reroutes nothing. ``fallback``: the
     interface they are rerouted over, without moving any rank, while a node's ``fabric`` link is
-    down; "" (or a fallback that is down too) migrates that node's ranks instead. Back on the fabric
+    down; "" (or a fallback that is down too, for ``hold_down`` seconds) migrates that node's ranks
+    instead. Back on the fabric
     once every node's fabric link has been up ``hold_down`` seconds; a link that changed
     ``flap_transitions`` times within ``flap_window`` seconds is flapping: the job stays on the
     fallback until the link has been quiet that long."""

@@ -5,8 +5,10 @@ network) reroutes the whole job over ``links.fallback``: every rank's collective
 groups re-formed over the fallback, resuming at the step that failed; no rank moves (reroute.py). Back on the fabric once every node's fabric link
 has been up ``hold_down`` seconds and none is flapping (``flap_transitions`` changes within
 ``flap_window`` seconds: damped, the job stays on the fallback). A node whose fallback is down too,
-or a site without a fallback, has its ranks migrated like a drain. Jobs that chose their own
-interface (GLOO_SOCKET_IFNAME in their environment) are left alone.
+or a site without a fallback, has its ranks migrated like a drain once it has been without a path
+for ``hold_down`` seconds: a heartbeat sent during a short partition can arrive after it healed
+(TCP delivers it late), and a blip must not cost a spare. Jobs that chose their own interface
+(GLOO_SOCKET_IFNAME in their environment) are left alone.
 
 The rule is a pure function (``decide``); ``PathWatch`` keeps each node's fabric history from the
 heartbeats and hands decisions to the orchestrator. It moves nothing itself."""
@@ -28,8 +30,9 @@ REROUTE, RETURN, MIGRATE = "reroute", "return", "migrate"
 
 @dataclass
 class LinkHistory:
-    """One node's fabric link as its heartbeats showed it: up or not, since when, and when it
-    changed (launchpad counts every carrier change, so a flap between two heartbeats counts)."""
+    """One node's link (its fabric or its fallback) as its heartbeats showed it: up or not, since
+    when, and when it changed (launchpad counts every carrier change, so a flap between two
+    heartbeats counts)."""
 
     up: bool
     since: float
@@ -61,24 +64,31 @@ class Decision:
     reason: str
 
 
-def decide(job: str, path: str, fabric: Mapping[str, LinkHistory], fallback_up: Mapping[str, bool],
+def decide(job: str, path: str, fabric: Mapping[str, LinkHistory], fallback: Mapping[str, LinkHistory],
            cfg: LinksConfig, now: float) -> list[Decision]:
-    """What the job whose collectives take ``path`` should do, given each node's fabric history
-    and whether its fallback link is up. Nothing for a job off TorchPass's paths."""
+    """What the job whose collectives take ``path`` should do, given each node's fabric and
+    fallback histories. Nothing for a job off TorchPass's paths."""
     if not cfg.fabric or not path or path not in (cfg.fabric, cfg.fallback) or not fabric:
         return []
+
+    def fallback_up(n: str) -> bool:
+        return bool(cfg.fallback) and n in fallback and fallback[n].up
+
     down = sorted(n for n, h in fabric.items() if not h.up)
-    stranded = [n for n in down if not (cfg.fallback and fallback_up.get(n, False))]
+    stranded = [n for n in down if not fallback_up(n)]
     if stranded:  # neither path: the node cannot take part in the job's collectives
+        since = {n: max(fabric[n].since, fallback[n].since if n in fallback else fabric[n].since) for n in stranded}
         return [Decision(MIGRATE, job, n, "", f"{cfg.fabric}{' and ' + cfg.fallback if cfg.fallback else ''} "
-                                               f"down on {n}: no path left for its collectives") for n in stranded]
+                                               f"down on {n} for {now - since[n]:.0f} s: no path left for its "
+                                               "collectives")
+                for n in stranded if now - since[n] >= cfg.hold_down]  # none yet: wait, it may be a blip
     if path == cfg.fabric:
         return [Decision(REROUTE, job, down[0], cfg.fallback,
                          f"{cfg.fabric} down on {', '.join(down)}: collectives rerouted over {cfg.fallback}")] \
             if down else []
     if down:
         return []
-    failing = sorted(n for n in fabric if not fallback_up.get(n, False))
+    failing = sorted(n for n in fabric if not fallback_up(n))
     if failing:  # the fallback is failing where the fabric is back: no hold-down
         return [Decision(RETURN, job, failing[0], cfg.fabric,
                          f"{cfg.fallback} down on {', '.join(failing)} and {cfg.fabric} up everywhere: "
@@ -105,7 +115,7 @@ class PathWatch:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg, self.view, self.act, self.clock = cfg, view, act, clock
         self._fabric: dict[str, dict[str, LinkHistory]] = {}  # job -> node -> its fabric link
-        self._fallback: dict[str, dict[str, bool]] = {}  # job -> node -> fallback link up
+        self._fallback: dict[str, dict[str, LinkHistory]] = {}  # job -> node -> its fallback link
         self._flapping: set[tuple[str, str]] = set()  # logged once per episode
         self._log = log.get()
 
@@ -117,15 +127,19 @@ class PathWatch:
         if isinstance(links, dict):
             fab, back = links.get(self.cfg.fabric), links.get(self.cfg.fallback) if self.cfg.fallback else None
             if isinstance(fab, dict) and isinstance(fab.get("carrier"), bool):
-                count = fab.get("changes") if isinstance(fab.get("changes"), int) else 0
-                hist = self._fabric.setdefault(job, {}).get(node)
-                if hist is None:
-                    self._fabric[job][node] = LinkHistory(fab["carrier"], now, counted=count)
-                else:
-                    hist.seen(fab["carrier"], count, now, self.cfg.flap_window)
+                self._seen(self._fabric.setdefault(job, {}), node, fab["carrier"], fab.get("changes"), now)
             if isinstance(back, dict):
-                self._fallback.setdefault(job, {})[node] = back.get("carrier") is True
+                self._seen(self._fallback.setdefault(job, {}), node, back.get("carrier") is True,
+                           back.get("changes"), now)
         self._judge(job, now)
+
+    def _seen(self, links: dict[str, LinkHistory], node: str, up: bool, changes: Any, now: float) -> None:
+        count = changes if isinstance(changes, int) and not isinstance(changes, bool) else 0
+        hist = links.get(node)
+        if hist is None:
+            links[node] = LinkHistory(up, now, counted=count)
+        else:
+            hist.seen(up, count, now, self.cfg.flap_window)
 
     def _judge(self, job: str, now: float) -> None:
         view = self.view(job)

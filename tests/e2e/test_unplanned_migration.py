@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.devcluster import DevCluster
 from tests.support.e2e import Daemon, Training, reference_log, sacct_state, wait_until
+from tests.support.fault_matrix import OK, FaultMatrix
 from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge
 
@@ -111,26 +112,30 @@ def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, 
 
 
 def test_second_death_during_the_recovery_is_recovered_too(torchpassd: Daemon, devcluster: DevCluster,
-                                                           tp_config: Path, workdir: Path) -> None:
+                                                           tp_config: Path, workdir: Path,
+                                                           fault_matrix: FaultMatrix) -> None:
     devcluster.run("scontrol", "update", "reservationname=torchpass_spares", "nodes=n4,n5")  # two spares
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=3)
     job.wait_running(torchpassd, min_step=5)
     devcluster.kill_node("n3")
     offset = job.log.stat().st_size
     torchpassd.wait_phase(job.job, ("spare_chosen", "spare_added", "joiner_ready"), timeout=60)
-    devcluster.kill_node("n2")  # while the first recovery starts its joiner
-    mig = torchpassd.wait_migration(job.job, "n3", timeout=240)
-    assert mig["status"] == "succeeded", mig
-    chosen = [p["detail"] for p in mig["phases"] if p["phase"] == "spare_chosen"]
-    assert [(c["dead"], c["spare"]) for c in chosen] == [("n3", "n4"), ("n2", "n5")], chosen
-    failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
-    job.wait_done(timeout=180)
-    ref = reference_log(workdir, 3, STEPS)
-    for rank in (1, 2):
-        rep = DrillReport()
-        judge(job.log, ref, rank, failed_step, offset, rep)
-        assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
-        assert rep.resumed_at_step == failed_step, rep
+    with fault_matrix.case("a survivor killed", "unplanned recovery") as cell:
+        devcluster.kill_node("n2")  # while the first recovery starts its joiner
+        mig = torchpassd.wait_migration(job.job, "n3", timeout=240)
+        assert mig["status"] == "succeeded", mig
+        chosen = [p["detail"] for p in mig["phases"] if p["phase"] == "spare_chosen"]
+        assert [(c["dead"], c["spare"]) for c in chosen] == [("n3", "n4"), ("n2", "n5")], chosen
+        failed_step = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
+        job.wait_done(timeout=180)
+        ref = reference_log(workdir, 3, STEPS)
+        for rank in (1, 2):
+            rep = DrillReport()
+            judge(job.log, ref, rank, failed_step, offset, rep)
+            assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
+            assert rep.resumed_at_step == failed_step, rep
+        cell["outcome"] = OK
+        cell["detail"] = f"n2 died while n3's rank was seated: both rebuilt (n4, n5) at step {failed_step}; bit-identical"
 
 
 def test_no_spare_with_fail_policy_ends_the_job_clearly(torchpassd: Daemon, devcluster: DevCluster,

@@ -34,13 +34,14 @@ from torchpass_common.config import LinksConfig
 from torchpassd.drill_report import read_log
 from torchpassd.unplanned import CRASH_WINDOW_S, CRASHES_TO_DRAIN
 
-pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.soak]
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.faults, pytest.mark.slow, pytest.mark.soak,
+              pytest.mark.timeout(7200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = int(os.environ.get("SOAK_FAULTS", "50"))
 SEED = int(os.environ.get("SOAK_SEED", str(int(time.time()))))
 STEP_SLEEP = 0.1
-STEPS = int(os.environ.get("SOAK_STEPS", "8000"))  # >= 13 min at STEP_SLEEP: room for the faults (the loop checks)
+STEPS = int(os.environ.get("SOAK_STEPS", "6000"))  # ~16 min here: room for the faults (the loop checks)
 NPROC = 2
 SPARE_RESERVATION = "torchpass_spares"
 FLAP_WINDOW_S = LinksConfig().flap_window
@@ -234,7 +235,7 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         counts[r["kind"]] = counts.get(r["kind"], 0) + 1
     lines = [f"# Soak: {len(rows)} random faults on one job (seed {meta['seed']})", "",
              f"Job {meta['job']}: {meta['nodes']} nodes x {meta['nproc']} ranks, {meta['steps']} steps; "
-             f"ended {meta['end']}; bit-identical: {meta['bit_identical']}; replayed steps: {meta['replays']}; "
+             f"ended {meta['end']}; {meta['verdict']}; replayed steps: {meta['replays']}; "
              f"soak {meta['seconds']:.0f} s.", "",
              "| kind | count |", "|---|---|", *(f"| {k} | {v} |" for k, v in sorted(counts.items())), "",
              "| # | fault | at step | seconds | outcome |", "|---|---|---|---|---|",
@@ -260,9 +261,14 @@ def test_fifty_random_faults_on_one_job_end_bit_identical(torchpassd: Daemon, de
         print(f"fault {i + 1}/{FAULTS}: {kind}: {outcome} ({soak.rows[-1]['seconds']} s)", flush=True)
     seconds = time.monotonic() - t0
     job.wait_done(timeout=STEPS * STEP_SLEEP * 2)
-    replays = assert_identical_replays_aside(job, read_log(reference_log(workdir, job.world, STEPS)))
-    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    try:
+        replays, verdict = assert_identical_replays_aside(job, read_log(reference_log(workdir, job.world, STEPS))), ""
+    except AssertionError as exc:
+        replays, verdict = None, f"NOT bit-identical: {exc}"
+    devcluster.wait_job_state(job.job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=120)
     end = sacct_state(devcluster, job.job)
     write_results(soak.rows, {"seed": SEED, "job": job.job, "nodes": job.nodes, "nproc": job.nproc, "steps": STEPS,
-                              "end": end, "bit_identical": True, "replays": replays, "seconds": seconds})
+                              "end": end, "verdict": verdict or "bit-identical", "replays": replays,
+                              "seconds": seconds})
+    assert not verdict, verdict
     assert end == "COMPLETED 0:0"
