@@ -158,7 +158,7 @@ def _lose_worker(s: Soak, sig: int, how: str) -> str:
         assert moved["mode"] == "planned-aware" and moved["source"] == node and moved["target"], moved
         s.trains_on()
         s.make_spare(node)
-        return f"{done}; its {len(recent)}th crash in {CRASH_WINDOW_S / 60:.0f} min: moved to {moved['target']}"
+        return f"{done}; {len(recent)} crashes in {CRASH_WINDOW_S / 60:.0f} min: node moved to {moved['target']}"
     s.trains_on()
     return done
 
@@ -265,8 +265,7 @@ def test_fifty_random_faults_on_one_job_end_bit_identical(torchpassd: Daemon, de
         replays, verdict = assert_identical_replays_aside(job, read_log(reference_log(workdir, job.world, STEPS))), ""
     except AssertionError as exc:
         replays, verdict = None, f"NOT bit-identical: {exc}"
-    devcluster.wait_job_state(job.job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=120)
-    end = sacct_state(devcluster, job.job)
+    end = sacct_state(devcluster, job.job, timeout=120)  # accounting: slurmctld forgets a job minutes after its end
     write_results(soak.rows, {"seed": SEED, "job": job.job, "nodes": job.nodes, "nproc": job.nproc, "steps": STEPS,
                               "end": end, "verdict": verdict or "bit-identical", "replays": replays,
                               "seconds": seconds})
