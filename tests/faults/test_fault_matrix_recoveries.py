@@ -133,7 +133,7 @@ def test_a_node_drained_during_an_unplanned_recovery_moves_after_it(torchpassd: 
                           "COMPLETED, bit-identical")
 
 
-def _transparent_job(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
+def transparent_job(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
                      nodes: int = 4) -> Training:
     job = Training(devcluster, tp_config, workdir, steps=TRANSPARENT_STEPS, step_sleep=TRANSPARENT_SLEEP,
                    script=drill_transparent.SCRIPT, mode="transparent", nodes=nodes)
@@ -154,7 +154,7 @@ def test_a_fault_during_a_transparent_migration(torchpassd: Daemon, devcluster: 
     torchpassd is SIGKILLed and started again, or the broker is down for a minute: the migration is
     rolled back or finished (from the journal after a restart), the drain is carried out, no worker
     is left stopped or parked; COMPLETED, bit-identical."""
-    job = _transparent_job(devcluster, tp_config, workdir, torchpassd)
+    job = transparent_job(devcluster, tp_config, workdir, torchpassd)
     with fault_matrix.case(fault, f"{TRANSPARENT} ({phase})") as cell:
         devcluster.drain("n3", "planned maintenance")
         torchpassd.wait_phase(job.job, (phase,), timeout=120)
@@ -179,7 +179,7 @@ def test_two_nodes_drained_during_a_transparent_job_both_move(torchpassd: Daemon
     """n2 and n3 drained in the same moment with two spares: both worker processes are moved by criu,
     one migration at a time; COMPLETED, bit-identical to an undisturbed 3-rank run."""
     two_spares(devcluster)
-    job = _transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3)
+    job = transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3)
     with fault_matrix.case("a second node drained", TRANSPARENT) as cell:
         devcluster.drain("n2", "planned maintenance")
         devcluster.drain("n3", "planned maintenance")

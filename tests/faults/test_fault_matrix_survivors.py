@@ -13,7 +13,7 @@ import pytest
 
 from tests.faults.test_fault_matrix_recoveries import (
     TRANSPARENT,
-    _transparent_job,
+    transparent_job,
     succeeded_off,
     two_spares,
 )
@@ -40,7 +40,7 @@ def test_the_joining_spare_killed_during_a_transparent_migration(torchpassd: Dae
     prepared. The move is rolled back (the original worker goes on), the dead spare is not used
     again, and the worker is moved to the other spare; COMPLETED, bit-identical."""
     two_spares(devcluster)
-    job = _transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3)
+    job = transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3)
     with fault_matrix.case("joining spare killed", TRANSPARENT) as cell:
         devcluster.drain("n3", "planned maintenance")
         first = torchpassd.wait_phase(job.job, ("spare_added", "joiner_ready"), timeout=120)
@@ -64,7 +64,7 @@ def test_a_survivor_killed_during_a_transparent_migration_fails_the_job_clearly(
     """n3 drained in a transparent job; n2 dies while n3's worker is being moved. A transparent job's
     script registered no state, so n2's rank cannot be rebuilt from a replica: the job must end, with
     the reason in torchpassd's history, instead of hanging or training on without a rank."""
-    job = _transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=4)
+    job = transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=4)
     with fault_matrix.case("a survivor killed", TRANSPARENT) as cell:
         devcluster.drain("n3", "planned maintenance")
         torchpassd.wait_phase(job.job, ("spare_added", "joiner_ready"), timeout=120)
