@@ -13,8 +13,8 @@ import pytest
 
 from tests.faults.test_fault_matrix_recoveries import (
     TRANSPARENT,
-    transparent_job,
     succeeded_off,
+    transparent_job,
     two_spares,
 )
 from tests.support.devcluster import DevCluster
