@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 _GRACE = 0.5  # s: a failed collective's work may complete a moment after the error reached the script
 _POLL = 0.05
+_GLOO_TRANSPORT = "gloo/transport/"  # in the text of every error of gloo's connections (tcp/pair.cc ...)
 EXIT_INTERRUPTED = 75  # exit code of an interrupted worker told to exit: the job was given up
 
 
@@ -53,7 +54,22 @@ def is_interruption(exc: BaseException) -> bool:
     deadline = time.monotonic() + _GRACE
     while group.failed() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    if group.failed() is None and not group.local and (broken := _broken_connection(exc)) is not None:
+        group.failure = broken
     return group.failed() is not None
+
+
+def _broken_connection(exc: BaseException) -> BaseException | None:
+    """gloo's own error for a connection that broke under a collective (a peer lost), in ``exc``
+    or what caused it. The group cannot learn it from the work: gloo's reduce-scatter works have
+    no future, and after failing they say neither completed nor failed (measured on torch 2.13), so
+    a peer lost during FSDP's reduce-scatter is known only from the error the script raised."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and _GLOO_TRANSPORT in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def interrupt(agent: Agent, exc: BaseException) -> Rejoin:

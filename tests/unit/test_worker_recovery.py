@@ -163,6 +163,40 @@ def test_only_a_failed_collective_makes_an_interruption(local_group: None) -> No
     assert not recovery.is_interruption(SystemExit(0)) and not recovery.is_interruption(KeyboardInterrupt())
 
 
+class WatchlessGroup:
+    """A formed group none of whose works said it failed: gloo's reduce-scatter work has no future
+    and, after failing, reports neither completion nor an error (torch 2.13)."""
+
+    local = False
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+
+    def failed(self) -> BaseException | None:
+        return self.failure
+
+
+def test_a_peer_lost_under_a_reduce_scatter_is_an_interruption(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in CI: a node killed while FSDP's backward reduce-scattered failed the job instead of
+    starting the unplanned flow. gloo's broken-connection error (also as the cause of what the script
+    raised) is an interruption; anything else still is the script's own error."""
+    group = WatchlessGroup()
+    monkeypatch.setattr(default_group, "group", lambda: group)
+    monkeypatch.setattr(recovery, "_GRACE", 0.05)
+    assert not recovery.is_interruption(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert group.failure is None
+    broken = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                          "[10.78.0.12]:61672: Connection reset by peer")
+    try:
+        try:
+            raise broken
+        except RuntimeError as exc:
+            raise ValueError("the script wrapped it") from exc
+    except ValueError as wrapped:
+        assert recovery.is_interruption(wrapped)
+    assert group.failure is broken  # the interruption report carries gloo's own error
+
+
 class Tearing(TcpTransport):
     """Its streams die after 256 KiB: a donor lost in the middle of its transfer."""
 
