@@ -6,7 +6,9 @@ command means is decided in commands.py."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +19,8 @@ from torchpass_common import log, worker_state
 from torchpass_common.errors import ProtocolError, WorkerError
 from torchpass_common.worker_state import WorkerState
 
-STEP_AVERAGING = 0.2  # weight of the newest step time in WorkerLink.step_s
+STEP_AVERAGING = 0.2  # weight of the newest CPU time in WorkerLink.busy_s
+STEP_WINDOW = 15  # step times WorkerLink.step_s is the median of
 
 
 def patience(step_s: float | None, floor: float, steps: int) -> float:
@@ -42,7 +45,9 @@ class WorkerLink:
     connected: bool = True
     replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     step_at: float = field(default_factory=time.monotonic)
-    step_s: float | None = None  # its typical step time (a moving average over the step reports)
+    step_s: float | None = None  # its typical step time: the median of the last STEP_WINDOW (None: none yet)
+    step_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=STEP_WINDOW))
+    timing: bool = False  # its last report was a step report while running: the next one times a step
     busy_s: float | None = None  # CPU its training thread wanted per step (a moving average; straggler signal)
     pong_at: float = field(default_factory=time.monotonic)  # its last answer to the watchdog's ping
     interruption: dict[str, Any] | None = None  # the INTERRUPTED report while it waits for recover
@@ -100,10 +105,10 @@ class ChannelServer:
         kind = msg["t"]
         if kind == ac.STEP:
             now = time.monotonic()
-            if msg["step"] > link.step:
-                took = (now - link.step_at) / (msg["step"] - link.step)
-                link.step_s = took if link.step_s is None else STEP_AVERAGING * took + (1 - STEP_AVERAGING) * link.step_s
-            link.step, link.step_at = msg["step"], now
+            if link.timing and msg["step"] > link.step:
+                link.step_times.append((now - link.step_at) / (msg["step"] - link.step))
+                link.step_s = statistics.median(link.step_times)
+            link.step, link.step_at, link.timing = msg["step"], now, True
             busy = msg.get("busy")
             if isinstance(busy, int | float) and not isinstance(busy, bool) and busy >= 0:
                 link.busy_s = busy if link.busy_s is None else STEP_AVERAGING * busy + (1 - STEP_AVERAGING) * link.busy_s
@@ -114,8 +119,12 @@ class ChannelServer:
         if kind == ac.PONG:
             link.pong_at = time.monotonic()
             return
+        # the time to the next step report holds a start-up, a pause or a recovery, not a step
+        link.timing = False
         if "step" in msg:
             link.step = msg["step"]
+        if kind == ac.RESUMED:
+            link.step_at = time.monotonic()  # progress is judged from the resume on
         before = link.state
         if not worker_state.advance(link, msg):
             self._log.warning("channel.unexpected_move", rank=link.rank, pid=link.pid, kind=kind, before=before,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launchpad.channel import ChannelServer
+from launchpad.channel import ChannelServer, WorkerLink
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import WorkerError
 
@@ -51,6 +51,37 @@ def test_steps_update_the_link_and_requests_get_their_reply(tmp_path: Path) -> N
         await task
         assert reply["step"] == 10
         assert (link.step, link.state) == (10, "paused")
+
+    with_server(tmp_path, body)
+
+
+async def reported(link: WorkerLink, step: int) -> None:
+    while link.step != step:
+        await asyncio.sleep(0.005)
+
+
+def test_step_time_is_the_steps_own_not_the_start_up_or_a_pause(tmp_path: Path) -> None:
+    """The stall watch and the watchdog wait a few step times: a step time inflated by the start-up
+    (hello to the first step) or by a pause would let a survivor sit out the collective timeout."""
+    async def body(server: ChannelServer, worker: ac.AsyncChannel) -> None:
+        link = server.links[4242]
+        await asyncio.sleep(1.0)  # start-up: building the model, the first rendezvous
+        for step in range(1, 8):
+            await worker.send(ac.message(ac.STEP, step=step))
+            await reported(link, step)
+            await asyncio.sleep(0.05)
+        assert link.step_s is not None and link.step_s < 0.25, link.step_s
+        await worker.send(ac.message(ac.PAUSED, gen=1, step=8))
+        await asyncio.sleep(1.0)  # parked during a migration
+        await worker.send(ac.message(ac.RESUMED, gen=2, step=8))
+        await reported(link, 8)
+        resumed_at = link.step_at
+        for step in range(9, 11):
+            await asyncio.sleep(0.05)
+            await worker.send(ac.message(ac.STEP, step=step))
+            await reported(link, step)
+        assert link.step_s < 0.25, link.step_s
+        assert link.step_at > resumed_at > 0  # progress counted from the resume, not the pause
 
     with_server(tmp_path, body)
 
