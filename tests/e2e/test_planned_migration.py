@@ -31,17 +31,13 @@ STEP_SLEEP = 0.15  # slow enough that a migration (joiner start-up included) fit
 
 
 def repair_killed_spare(devcluster: DevCluster, node: str) -> None:
-    """Bring a killed node back. Slurm 22.05 can keep a node that died inside a resized job
-    allocated or completing without any job once its slurmd returns; down, resume and a
-    reconfigure clear that."""
+    """Bring a killed node back (and out of a job Slurm may still hold it in)."""
     devcluster.start_node(node)
     devcluster.run("scancel", "--user=root", check=False)
     try:
         devcluster.wait_node_state(node, ("idle", "reserved"), timeout=20)
     except SlurmError:
-        devcluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=e2e repair")
-        devcluster.resume(node)
-        devcluster.run("scontrol", "reconfigure")
+        devcluster.clear_stale_allocation(node, "e2e repair")
         devcluster.wait_node_state(node, ("idle", "reserved"), timeout=20)
 
 

@@ -107,12 +107,7 @@ class Soak:
         try:
             wait_until(f"{node} to be the free spare", lambda: self.spares() == {node: True}, 30, every=1.0)
         except AssertionError:
-            # Slurm 22.05 can keep a node that died inside a resized job allocated without any job
-            # once its slurmd is back (tests/e2e/test_planned_migration.py repair_killed_spare):
-            # down, resume and a reconfigure clear that
-            self.cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=soak repair")
-            self.cluster.resume(node)
-            self.cluster.run("scontrol", "reconfigure")
+            self.cluster.clear_stale_allocation(node, "soak repair")
             wait_until(f"{node} to be the free spare", lambda: self.spares() == {node: True}, 60, every=1.0)
 
     def spares(self) -> dict[str, bool]:

@@ -190,6 +190,13 @@ class DevCluster:
     def resume(self, node: str) -> None:
         self.run("scontrol", "update", f"nodename={node}", "state=resume")
 
+    def clear_stale_allocation(self, node: str, why: str) -> None:
+        """Slurm 22.05 can keep a node that died inside a resized job allocated or completing
+        without any job once its slurmd is back; down, resume and a reconfigure clear that."""
+        self.run("scontrol", "update", f"nodename={node}", "state=down", f"reason={why}")
+        self.resume(node)
+        self.run("scontrol", "reconfigure")
+
 
 @pytest.fixture(scope="session")
 def devcluster() -> Iterator[DevCluster]:
