@@ -170,7 +170,8 @@ class UnplannedRecovery(Flow):
         try:
             await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
                              evidence=p.evidence, failed_at=p.failed_at)
-            await asyncio.gather(self._sever_survivors(deaths), self._seat_all(deaths))
+            seating = self._seat_nowhere(deaths) if self.view().mode == "transparent" else self._seat_all(deaths)
+            await asyncio.gather(self._sever_survivors(deaths), seating)
             await self._wait_interrupted()
             await self._recover()
         except RanksAlive as exc:
@@ -180,6 +181,15 @@ class UnplannedRecovery(Flow):
         except TorchPassError as exc:  # a spare whose joiner could not start is drained (_drop_target)
             return await self.fail(self.failed_before_hand_over(exc))
         return await self.finish()
+
+    async def _seat_nowhere(self, deaths: list[Death]) -> None:
+        """A model-transparent job (``--torchpass=transparent``) registers no save/load: no lost rank
+        can be rebuilt, so no spare is taken (its joiner would only fail with the job, and the spare
+        be drained for it). The survivors are still cut and waited for: their reports end the
+        recovery (unregistered: the job ends clearly) or show the ranks alive (stand down)."""
+        self.plan.seats += [{"node": d.node, "rank": d.ranks[0], "ranks": list(d.ranks), "in_place": d.in_place}
+                            for d in deaths if d.ranks]
+        self.plan.survivors = self._survivors()
 
     async def stand_down(self, reason: str) -> str:
         """Nothing was lost after all: let the spares go, leave the job alone."""
@@ -447,8 +457,10 @@ class UnplannedRecovery(Flow):
                                if w.get("registered") is False})
         if unregistered:
             raise MigrationError(f"workers on {unregistered} never called torchpass.register(save, load): "
-                                 "their state cannot be captured", hint="fall back to the job's last checkpoint",
-                                 **self.where)
+                                 "their state cannot be captured, so the lost ranks cannot be rebuilt",
+                                 hint=("a model-transparent job (--torchpass=transparent) is moved on planned "
+                                       "drains only; " if view.mode == "transparent" else "")
+                                 + "fall back to the job's last checkpoint", **self.where)
         rank_node = {w["rank"]: n for n in p.survivors for w in self._members(view.launchpads[n].workers)}
         p.donor, p.laggards, p.resume_step = choose_donor(steps, rank_node, where=self.where)
         p.steps = steps

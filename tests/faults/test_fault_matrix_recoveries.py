@@ -134,8 +134,8 @@ def test_a_node_drained_during_an_unplanned_recovery_moves_after_it(torchpassd: 
 
 
 def transparent_job(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Daemon,
-                     nodes: int = 4) -> Training:
-    job = Training(devcluster, tp_config, workdir, steps=TRANSPARENT_STEPS, step_sleep=TRANSPARENT_SLEEP,
+                     nodes: int = 4, steps: int = TRANSPARENT_STEPS) -> Training:
+    job = Training(devcluster, tp_config, workdir, steps=steps, step_sleep=TRANSPARENT_SLEEP,
                    script=drill_transparent.SCRIPT, mode="transparent", nodes=nodes)
     job.wait_running(daemon)
     return job

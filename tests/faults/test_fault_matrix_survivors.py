@@ -13,6 +13,7 @@ import pytest
 
 from tests.faults.test_fault_matrix_recoveries import (
     TRANSPARENT,
+    TRANSPARENT_STEPS,
     succeeded_off,
     transparent_job,
     two_spares,
@@ -40,11 +41,12 @@ def test_the_joining_spare_killed_during_a_transparent_migration(torchpassd: Dae
     prepared. The move is rolled back (the original worker goes on), the dead spare is not used
     again, and the worker is moved to the other spare; COMPLETED, bit-identical."""
     two_spares(devcluster)
-    job = transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3)
+    # long enough for the roll-back (the dead spare is known once Slurm ends its step: ~30 s) and the retry
+    job = transparent_job(devcluster, tp_config, workdir, torchpassd, nodes=3, steps=3 * TRANSPARENT_STEPS)
     with fault_matrix.case("joining spare killed", TRANSPARENT) as cell:
         devcluster.drain("n3", "planned maintenance")
         first = torchpassd.wait_phase(job.job, ("spare_added", "joiner_ready"), timeout=120)
-        chosen = next(p["detail"]["spare"] for p in reversed(first["phases"]) if p["phase"] == "spare_chosen")
+        chosen = first["target"]
         devcluster.kill_node(chosen)
         mig = succeeded_off(torchpassd, job.job, "n3", timeout=400)
         other = ({"n4", "n5"} - {chosen}).pop()
