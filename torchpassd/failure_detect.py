@@ -66,9 +66,12 @@ class _Node:
 
     @property
     def ran_workers(self) -> bool:
-        """It ran member ranks that had not ended (a node whose workers all exited just finished;
-        a joiner not yet admitted is a migration's business, not the job's)."""
-        return any(w.get("state") not in ENDED and not w.get("joining") for w in self.workers)
+        """It ran ranks that had not ended (a node whose workers all exited just finished). A
+        joiner counts: while its migration runs the node is that migration's business (``busy``),
+        once the migration ended it is a member even if its last heartbeat, sent just before the
+        resume, still called it joining (found by the fault matrix: a spare killed right after
+        the hand-over was never judged and the job failed)."""
+        return any(w.get("state") not in ENDED for w in self.workers)
 
     @property
     def interrupted(self) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_link_reroute import assert_identical_replays_aside
-from tests.e2e.test_planned_migration import STEP_SLEEP, STEPS, restart_broker
+from tests.e2e.test_planned_migration import STEP_SLEEP, STEPS, repair_killed_spare, restart_broker
 from tests.faults.test_fault_matrix import BROKER_OUTAGE_S
 from tests.faults.test_fault_matrix_recoveries import two_spares
 from tests.support.devcluster import DevCluster
@@ -39,7 +39,8 @@ def _matrix_file(fault_matrix: FaultMatrix, e2e_dir: Path) -> None:
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.replace(" ", "-") for f in FAULTS])
 def test_a_second_fault_in_each_phase_of_a_planned_migration(torchpassd: Daemon, devcluster: DevCluster,
                                                              tp_config: Path, workdir: Path,
-                                                             fault_matrix: FaultMatrix, fault: str, phase: str) -> None:
+                                                             fault_matrix: FaultMatrix, fault: str, phase: str,
+                                                             request: pytest.FixtureRequest) -> None:
     two_spares(devcluster)
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=3 * STEP_SLEEP, nodes=3)
     job.wait_running(torchpassd, min_step=5)
@@ -51,6 +52,7 @@ def test_a_second_fault_in_each_phase_of_a_planned_migration(torchpassd: Daemon,
         if fault == "joining spare killed":
             spare = running["target"]  # the spare a planned migration chose
             devcluster.kill_node(spare)
+            request.addfinalizer(lambda: repair_killed_spare(devcluster, spare))  # before the cluster's reset
             faulted.add(spare)
         elif fault == "a survivor killed":
             devcluster.kill_node("n2")
