@@ -115,6 +115,12 @@ def interrupted_after(workers: list[dict[str, Any]], decided_at: float) -> float
     return round(max(0.0, max(times) - decided_at), 3)
 
 
+def seat_of(death: Death) -> dict[str, Any]:
+    """The seat (journaled with the plan) of ``death``'s ranks; ``target`` is added once chosen."""
+    return {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks),
+            **({"in_place": True} if death.in_place else {})}
+
+
 class NoReplica(MigrationError):
     """A lost rank's state exists nowhere else (pure FSDP or tensor parallel: every rank holds its
     own shard): nothing to rebuild it from; the job falls back to a requeue."""
@@ -187,8 +193,7 @@ class UnplannedRecovery(Flow):
         can be rebuilt, so no spare is taken (its joiner would only fail with the job, and the spare
         be drained for it). The survivors are still cut and waited for: their reports end the
         recovery (unregistered: the job ends clearly) or show the ranks alive (stand down)."""
-        self.plan.seats += [{"node": d.node, "rank": d.ranks[0], "ranks": list(d.ranks), "in_place": d.in_place}
-                            for d in deaths if d.ranks]
+        self.plan.seats += [seat_of(d) for d in deaths if d.ranks]
         self.plan.survivors = self._survivors()
 
     async def stand_down(self, reason: str) -> str:
@@ -252,7 +257,7 @@ class UnplannedRecovery(Flow):
                             f"(their state is sharded: {view.unplanned()})",
                             hint="HSDP (replicate across nodes) lets TorchPass rebuild a node; the job restarts "
                                  "from its last checkpoint", **self.where)
-        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks)}
+        seat = seat_of(death)
         p.seats.append(seat)
         p.survivors = survivors
         donor = survivors[0]  # the lost worker's own node is gone; a rank rebuilt in place has no worker to read
@@ -286,8 +291,7 @@ class UnplannedRecovery(Flow):
         p, view = self.plan, self.view()
         if not death.ranks:
             raise MigrationError(f"no crashed rank on {death.node} to rebuild", **self.where)
-        seat: dict[str, Any] = {"node": death.node, "rank": death.ranks[0], "ranks": list(death.ranks),
-                                "in_place": True}
+        seat = seat_of(death)
         p.seats.append(seat)
         p.survivors = self._survivors()
         lost = p.lost_ranks
