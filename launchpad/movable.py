@@ -14,6 +14,7 @@ from criu_hooks import spawn as criu_spawn
 from launchpad import workers
 from launchpad.output import OutputRouter
 from launchpad.spec import MODE_ENV, LaunchSpec
+from slurm_plugin.model import TRANSPARENT
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
@@ -21,7 +22,7 @@ from torchpass_common.errors import WorkerError
 
 def movable() -> bool:
     """Start this node's workers so that criu can move them (the job asked for transparent mode)."""
-    return os.environ.get(MODE_ENV) == "transparent"
+    return os.environ.get(MODE_ENV) == TRANSPARENT
 
 
 def restore_target() -> bool:

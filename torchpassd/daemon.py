@@ -22,7 +22,7 @@ from slurm_plugin import events as ev
 from slurm_plugin import node_admin
 from slurm_plugin.client import SlurmClient
 from slurm_plugin.connect import open_client, runner_for
-from slurm_plugin.model import Snapshot
+from slurm_plugin.model import TRANSPARENT, Snapshot
 from slurm_plugin.resize import JobResizer
 from slurm_plugin.runner import SlurmRunner
 from slurm_plugin.spares import SparePool, spares_of
@@ -257,7 +257,7 @@ class Orchestrator:
     async def _migrate(self, job: str, node: str, seen: float, reason: str) -> None:
         rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
         gen = rec.gen if rec else 1
-        flow = transparent.TransparentMigration if self.d.registry.job(job).mode == "transparent" \
+        flow = transparent.TransparentMigration if self.d.registry.job(job).mode == TRANSPARENT \
             else planned.PlannedMigration
         mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=flow.mode, source=node,
                                       reason=reason, gen=gen)

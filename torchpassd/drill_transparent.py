@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slurm_plugin.model import TRANSPARENT
+
 MODE = "planned-transparent"
 SCRIPT = Path(__file__).resolve().parent / "drill_jobs" / "ddp_tutorial.py"
-SBATCH_MODE = "transparent"
+SBATCH_MODE = TRANSPARENT
 MOVE_KEYS = ("dump_s", "frozen_s", "transfer_s", "restore_s", "image_bytes", "page_bytes")
 
 

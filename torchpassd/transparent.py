@@ -13,6 +13,7 @@ import subprocess
 import time
 from typing import Any
 
+from slurm_plugin.model import TRANSPARENT
 from torchpass_common import agent_channel as ac
 from torchpass_common.errors import MigrationError, TorchPassError
 from torchpass_common.transfer_address import TransferAddress
@@ -102,7 +103,7 @@ class TransparentMigration(planned.PlannedMigration):
         self.d.steps_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.d.steps_dir / f"{p.job}-{self.id[:8]}-{p.target}.log", "ab")  # noqa: SIM115 - the step owns it
         try:
-            proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), p.target, argv, mode="transparent",
+            proc = await asyncio.to_thread(self.d.resizer.start_step, int(p.job), p.target, argv, mode=TRANSPARENT,
                                            extra_env=env, job_output=True, stdout=out, stderr=subprocess.STDOUT, cwd=tpl.cwd or None,
                                            start_new_session=True)
         finally:

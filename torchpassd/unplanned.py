@@ -17,6 +17,7 @@ from typing import Any
 
 from slurm_plugin import events as ev
 from slurm_plugin import node_admin
+from slurm_plugin.model import TRANSPARENT
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
 from torchpass_common.transfer_address import TransferAddress
@@ -176,7 +177,7 @@ class UnplannedRecovery(Flow):
         try:
             await self.phase(DETECTED, detect_s=round(max(0.0, self.detected_at - p.failed_at), 3),
                              evidence=p.evidence, failed_at=p.failed_at)
-            seating = self._seat_nowhere(deaths) if self.view().mode == "transparent" else self._seat_all(deaths)
+            seating = self._seat_nowhere(deaths) if self._rebuilds_nothing() else self._seat_all(deaths)
             await asyncio.gather(self._sever_survivors(deaths), seating)
             await self._wait_interrupted()
             await self._recover()
@@ -188,11 +189,15 @@ class UnplannedRecovery(Flow):
             return await self.fail(self.failed_before_hand_over(exc))
         return await self.finish()
 
-    async def _seat_nowhere(self, deaths: list[Death]) -> None:
+    def _rebuilds_nothing(self) -> bool:
         """A model-transparent job (``--torchpass=transparent``) registers no save/load: no lost rank
-        can be rebuilt, so no spare is taken (its joiner would only fail with the job, and the spare
-        be drained for it). The survivors are still cut and waited for: their reports end the
+        can be rebuilt, so no spare is taken for it (its joiner would only fail with the job, and the
+        spare be drained for it). The survivors are still cut and waited for: their reports end the
         recovery (unregistered: the job ends clearly) or show the ranks alive (stand down)."""
+        return self.view().mode == TRANSPARENT
+
+    async def _seat_nowhere(self, deaths: list[Death]) -> None:
+        """Note ``deaths``' ranks as lost without preparing a place for them (_rebuilds_nothing)."""
         self.plan.seats += [seat_of(d) for d in deaths if d.ranks]
         self.plan.survivors = self._survivors()
 
@@ -360,7 +365,11 @@ class UnplannedRecovery(Flow):
 
     async def _absorb(self) -> None:
         """Take in nodes that died since the last look (before the hand-over only)."""
-        for death in await self._new_deaths():
+        deaths = await self._new_deaths()
+        if self._rebuilds_nothing():
+            await self._seat_nowhere(deaths)
+            return
+        for death in deaths:
             await self._seat(death)
 
     async def _new_deaths(self) -> list[Death]:
@@ -375,7 +384,7 @@ class UnplannedRecovery(Flow):
                                      f"failure, after the survivors' state was handed over",
                                      hint="restart the job from its last checkpoint", **self.where)
             self.log.warning("unplanned.second_failure", node=death.node, evidence=list(death.evidence))
-            if not any(s.available for s in await asyncio.to_thread(self.d.pool.list)):
+            if not self._rebuilds_nothing() and not any(s.available for s in await asyncio.to_thread(self.d.pool.list)):
                 raise MigrationError(f"{death.node} died too while the job recovered, and no second spare is free",
                                      hint="add spares to the reservation, or restart from the last checkpoint",
                                      **self.where)
@@ -463,7 +472,7 @@ class UnplannedRecovery(Flow):
             raise MigrationError(f"workers on {unregistered} never called torchpass.register(save, load): "
                                  "their state cannot be captured, so the lost ranks cannot be rebuilt",
                                  hint=("a model-transparent job (--torchpass=transparent) is moved on planned "
-                                       "drains only; " if view.mode == "transparent" else "")
+                                       "drains only; " if view.mode == TRANSPARENT else "")
                                  + "fall back to the job's last checkpoint", **self.where)
         rank_node = {w["rank"]: n for n in p.survivors for w in self._members(view.launchpads[n].workers)}
         p.donor, p.laggards, p.resume_step = choose_donor(steps, rank_node, where=self.where)

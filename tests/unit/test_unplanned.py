@@ -455,28 +455,34 @@ def test_unregistered_survivor_fails_with_the_checkpoint_hint(tmp_path: Path) ->
 def test_a_transparent_job_is_not_rebuilt_and_no_spare_is_taken_for_it(tmp_path: Path) -> None:
     """--torchpass=transparent registers no save/load: a lost node's ranks cannot be rebuilt. No
     spare is taken (a joiner would only fail with the job and get its spare drained); once the
-    survivors report in, unregistered, the recovery fails saying why and tells them to exit."""
-    w = World(tmp_path, ["n5"])
+    survivors report in, unregistered, the recovery fails saying why and tells them to exit. A
+    second node lost meanwhile takes no spare either."""
+    w = World(tmp_path, ["n5", "n6"])
 
     async def go() -> str:
         await w.setup()
         await w.registry.update_job("7", mode="transparent")
+        rec = w.recovery()
 
         async def interrupt() -> None:
             await asyncio.sleep(0.05)
-            for i, n in ((0, "n1"), (1, "n2"), (3, "n4")):
+            offline = protocol.encode(protocol.STATE, job="7", gen=1, body={"node": "n4", "online": False})
+            await w.registry.on_message("n4", protocol.decode(offline))
+            rec.another_death(_death("n4", 3))
+            await asyncio.sleep(0.3)
+            for i, n in ((0, "n1"), (1, "n2")):
                 await w.registry.on_message(n, _hb(n, i, 42, "interrupted", registered=False))
         task = asyncio.create_task(interrupt())
-        status = await w.recovery().run([_death("n3", 2)])
+        status = await rec.run([_death("n3", 2)])
         await task
         return status
     assert asyncio.run(go()) == jn.FAILED
     mig = w.journal.history()[0]
     assert "never called torchpass.register" in (mig.error or "") and "--torchpass=transparent" in (mig.error or ""), \
         mig.error
-    assert w.slurm.added == [] and w.slurm.free == ["n5"] and w.slurm.commands == []  # no spare taken or drained
+    assert w.slurm.added == [] and w.slurm.free == ["n5", "n6"] and w.slurm.commands == []  # none taken or drained
     assert {n for n, c, _, _ in w.commander.sent if c == "sever"} == {"n1", "n2", "n4"}  # cut: reach the report now
-    assert {n for n, c, _, _ in w.commander.sent if c == "abort"} == {"n1", "n2", "n4"}  # then told to exit
+    assert {n for n, c, _, _ in w.commander.sent if c == "abort"} == {"n1", "n2"}  # then told to exit
     w.close()
 
 
