@@ -1,12 +1,16 @@
-"""The checkpoint-restart baseline of bench/recovery.py, on the dev cluster: the example job under
-plain torchrun (no TorchPass), submitted with --requeue, rank 0 saving a torch.save checkpoint every
-N steps. A node is killed; Slurm notices (SlurmdTimeout), requeues the job, restarts it on other
-nodes, and it reloads the checkpoint and recomputes the lost steps. Time lost = kill -> the restarted
-job is back at the last step completed before the kill; split into restart overhead and recompute."""
+"""The checkpoint-restart baseline of bench/recovery.py and bench/peers.py, on the dev cluster: the
+example job under plain torchrun (no TorchPass), submitted with --requeue, rank 0 saving a torch.save
+checkpoint every N steps. ``fault="node"``: a node is killed; Slurm notices (SlurmdTimeout), requeues
+the job, restarts it on other nodes, and it reloads the checkpoint and recomputes the lost steps.
+``fault="worker"``: one worker process is killed on a healthy node; torchrun (--max-restarts)
+restarts every worker of the job, which reload the checkpoint. Time lost = kill -> the restarted job
+is back at the last step completed before the kill; split into restart overhead and recompute."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -18,9 +22,11 @@ from torchpass_common.errors import TorchPassError
 from torchpassd.drill import EXAMPLE
 
 RDZV_PORT = 29600
+FAULTS = ("node", "worker")
+RESTARTS = {"node": 0, "worker": 3}  # torchrun's --max-restarts: a whole-node loss is Slurm's to handle
 _SCRIPT = """#!/bin/bash
 # checkpoint-restart baseline: plain torchrun, rendezvous on the batch host
-srun {torchrun} --nnodes {nodes} --nproc-per-node 1 --rdzv-backend c10d --rdzv-id $SLURM_JOB_ID \\
+srun {torchrun} --nnodes {nodes} --nproc-per-node 1 --max-restarts {restarts} --rdzv-backend c10d --rdzv-id $SLURM_JOB_ID \\
     --rdzv-endpoint $SLURMD_NODENAME:{port} {example} --steps {steps} --step-sleep {sleep} \\
     --checkpoint {ckpt} --checkpoint-every {every} --log-file {log}
 """
@@ -70,15 +76,18 @@ def _analysed(log: Path, killed_at: float) -> dict[str, float] | None:
 
 
 def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000, step_sleep: float = 0.2,
-        every: int = 25, timeout: float = 480.0, say: Any = print) -> dict[str, Any]:
-    """One failure of the baseline job; the measured figures (see ``analyse``), the job's state
-    changes after the kill (Slurm's own detection and requeue), and the setting."""
+        every: int = 25, timeout: float = 480.0, say: Any = print, fault: str = "node") -> dict[str, Any]:
+    """One failure (``fault``: a node killed, or one worker process on a healthy node) of the baseline
+    job; the measured figures (see ``analyse``), the job's state changes after the kill (Slurm's own
+    detection and requeue), and the setting."""
+    if fault not in FAULTS:
+        raise TorchPassError(f"baseline: unknown fault {fault!r}", hint=f"use one of {', '.join(FAULTS)}")
     workdir.mkdir(parents=True, exist_ok=True, mode=0o755)
     log, ckpt = workdir / "train.log", workdir / "checkpoint.pt"
     for f in (log, ckpt):
         f.unlink(missing_ok=True)
     script = _SCRIPT.format(torchrun=Path(sys.executable).parent / "torchrun", nodes=nodes, port=RDZV_PORT,
-                            example=EXAMPLE, steps=steps, sleep=step_sleep, ckpt=ckpt, every=every, log=log)
+                            example=EXAMPLE, steps=steps, restarts=RESTARTS[fault], sleep=step_sleep, ckpt=ckpt, every=every, log=log)
     fail_at = every + every // 2  # mid-interval
     job = cluster.sbatch(script, f"-N{nodes}", "--requeue", "--job-name=bench-ckpt-restart")
     say(f"[baseline] job {job}: plain torchrun on {nodes} nodes, checkpoint every {every} steps, --requeue")
@@ -100,10 +109,17 @@ def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000
         wait(f"step {fail_at}", lambda: any(s >= fail_at for s, _ in steps_logged(log)))
         hosts = cluster.run("scontrol", "show", "hostnames", cluster.job_record(job)["NodeList"]).stdout.split()
         victim = hosts[-1]  # not the batch host
-        killed_at = time.time()
-        cluster.kill_node(victim)
-        say(f"[baseline] killed {victim} at step {max(s for s, _ in steps_logged(log))}; Slurm detects it "
-            "and requeues the job")
+        if fault == "node":
+            killed_at = time.time()
+            cluster.kill_node(victim)
+            say(f"[baseline] killed {victim} at step {max(s for s, _ in steps_logged(log))}; Slurm detects it "
+                "and requeues the job")
+        else:
+            worker = _worker_pid(cluster, victim)
+            killed_at = time.time()
+            os.kill(worker, signal.SIGKILL)
+            say(f"[baseline] killed worker {worker} on {victim} at step {max(s for s, _ in steps_logged(log))}; "
+                "torchrun restarts every worker")
         result: dict[str, Any] = {}
         wait(f"job {job} to be back at the step it failed at",
              lambda: result.update(_analysed(log, killed_at) or {}) or result)
@@ -115,6 +131,21 @@ def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000
             "checkpoint_interval_s": round(every * result["step_s"], 2),
             "job_states_after_kill": [{"state": t["state"], "after_s": round(t["at"] - killed_at, 1)}
                                       for t in transitions if t["at"] >= killed_at],
-            "failure": f"devcluster kill-node {victim} (SIGKILL of every process on it)",
-            "restart": "Slurm's own: node DOWN after SlurmdTimeout, job requeued (--requeue), restarted on "
-                       "other nodes, reloads the checkpoint"}
+            "failure": (f"devcluster kill-node {victim} (SIGKILL of every process on it)" if fault == "node"
+                        else f"kill -9 of the worker process on {victim} (the node stays healthy)"),
+            "restart": ("Slurm's own: node DOWN after SlurmdTimeout, job requeued (--requeue), restarted on "
+                        "other nodes, reloads the checkpoint" if fault == "node" else
+                        "torchrun's own (--max-restarts): every worker of the job stopped and started again "
+                        "through a new rendezvous, reloads the checkpoint")}
+
+
+def _worker_pid(cluster: DevCluster, node: str) -> int:
+    """The pid of the training worker (not its torchrun agent) running on ``node``."""
+    for pid in cluster.node_pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(EXAMPLE).encode() in argv and not any(a.endswith(b"torchrun") for a in argv):
+            return pid
+    raise TorchPassError(f"baseline: no training worker found on {node}")

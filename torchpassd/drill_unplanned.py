@@ -1,8 +1,9 @@
 """What ``torchpassctl drill --mode unplanned`` adds to the planned drill: instead of draining a
 node it kills one (never the batch host) for real - SIGKILL of its slurmd, launchpad and workers
 (on the dev cluster: everything in the node's namespace, `devcluster kill-node`; elsewhere: a job
-step on the node) - or cuts its network (``fault="cut"``, dev cluster only), waits for torchpassd's
-unplanned recovery, and judges the run: detect_s from the kill, the step in progress at the kill,
+step on the node) - or cuts its network (``fault="cut"``, dev cluster only), or kills one worker
+process of a healthy node (``fault="crash"``: an OOM kill, a segfault; the rank is rebuilt in place,
+no spare), waits for torchpassd's unplanned recovery, and judges the run: detect_s from the kill, the step in progress at the kill,
 resumed_at_step from the joiner's first logged step, lost steps, bit-identity.
 
 The example script logs each step's loss right after the forward pass (before the gradient
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +30,10 @@ from torchpassd.drill_report import compare, read_log
 if TYPE_CHECKING:
     from torchpassd.drill import Drill
 
-MODE, CUT_MODE = "unplanned", "unplanned-cut"
-MODES = (MODE, CUT_MODE)
-FAULTS = ("kill", "cut")
+MODE, CUT_MODE, CRASH_MODE = "unplanned", "unplanned-cut", "unplanned-crash"
+MODES = (MODE, CUT_MODE, CRASH_MODE)
+FAULTS = ("kill", "cut", "crash")
+FAULT_OF_MODE = {MODE: "kill", CUT_MODE: "cut", CRASH_MODE: "crash"}
 DEVCLUSTER = Path(__file__).resolve().parents[1] / "contrib" / "devcluster"
 
 
@@ -50,6 +54,11 @@ def _config(drill: Drill) -> dict[str, str]:
     """slurmctld's running configuration (``scontrol show config``), as "Key = value" pairs."""
     out = drill.runner.run(["scontrol", "show", "config"])
     return {k.strip(): v.strip() for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep}
+
+
+def crash_script(worker: int) -> str:
+    """The shell script that kills one worker process by pid, and nothing else: its node stays healthy."""
+    return f"kill -9 {int(worker)}"
 
 
 def kill_script(workers: list[int], slurmd_pidfile: str) -> str:
@@ -77,8 +86,12 @@ class Fault:
         self.node = ""
 
     def inject(self, node: str, pids: list[int]) -> float:
-        """Strike ``node``; returns the wall time of the fault."""
+        """Strike ``node`` (crash: its worker ``pids[0]`` only); returns the wall time of the fault."""
         self.node = node
+        if self.kind == "crash" and self.inst is not None:  # the dev cluster's nodes share our pid namespace
+            at = time.time()
+            os.kill(pids[0], signal.SIGKILL)
+            return at
         if self.inst is not None:
             sys.path.insert(0, str(DEVCLUSTER))
             try:
@@ -91,7 +104,7 @@ class Fault:
         # A real cluster: a step on the node SIGKILLs, by pid, the job's workers, their launchpad,
         # its slurmstepd and the node's slurmd (from its pid file), and nothing else there.
         pidfile = self.slurm_config.get("SlurmdPidFile", "/run/slurmd.pid").replace("%n", node).replace("%h", node)
-        script = kill_script(pids, pidfile)
+        script = crash_script(pids[0]) if self.kind == "crash" else kill_script(pids, pidfile)
         at = time.time()
         subprocess.run(["srun", f"--jobid={self.drill.report.job_id}", "-w", node, "-N1", "-n1", "--overlap",
                         "sh", "-c", script], capture_output=True, timeout=60, check=False, env=self.drill.runner.env())
@@ -99,6 +112,8 @@ class Fault:
 
     def undo(self) -> None:
         """Bring the node back (dev cluster; elsewhere the operator restarts its slurmd)."""
+        if self.kind == "crash":  # the node was never down
+            return
         if self.inst is None or not self.node:
             if self.node:
                 self.drill.say(f"[drill] {self.node}: restart its slurmd and resume it (scontrol update "
@@ -155,11 +170,14 @@ def judge(run_log: Path, ref_log: Path, rank: int, failed_step: int, offset: int
 def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
     """Strike ``victim`` while the job trains, follow the recovery, finish and judge the run."""
     rep = drill.report
-    fault_kind = "cut" if drill.mode == CUT_MODE else "kill"
+    fault_kind = FAULT_OF_MODE[drill.mode]
     fault = Fault(drill, fault_kind)
     rep.fault = fault_kind
     job = drill._job() or {}
-    pids = [w["pid"] for w in (job.get("launchpads", {}).get(victim, {}).get("workers") or []) if "pid" in w]
+    workers = job.get("launchpads", {}).get(victim, {}).get("workers") or []
+    pids = [w["pid"] for w in sorted(workers, key=lambda w: w["rank"] != rank) if "pid" in w]  # rank's first
+    if fault_kind == "crash":
+        rep.moved_ranks = [rank]
     log = workdir / "train.log"
     try:
         killed_at = fault.inject(victim, pids)
@@ -181,7 +199,7 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
         resumed = next(p for p in phases if p["phase"] == "resumed")["detail"]
         rep.pause_s = resumed["pause_s"]
         failed_step = resumed["resumed_at_step"]
-        drill._note(f"rank {rank} rebuilt on {rep.migrated_to}: detect {rep.detect_s}s, pause {rep.pause_s}s, "
+        drill._note(f"rank {rank} rebuilt on {rep.migrated_to or victim}: detect {rep.detect_s}s, pause {rep.pause_s}s, "
                     f"resumed at step {failed_step}")
         # Training is done once every rank logged its final hash; the job then ends on its own (the
         # dead node was set DOWN, so srun was told its tasks are gone). The fault lasts until then: a

@@ -85,6 +85,11 @@ class DevCluster:
     def jobs_dir(self) -> Path:
         return Path(self._layout["jobs_dir"])
 
+    def node_pids(self, node: str) -> list[int]:
+        """The processes inside ``node``'s network namespace (its slurmd, steps and their tasks)."""
+        out = self.run("ip", "netns", "pids", f"tpdc{self.id}-{node}", check=False).stdout
+        return [int(p) for p in out.split()]
+
     def kill_node(self, node: str) -> None:
         self.tool("kill-node", node)
 

@@ -1,7 +1,7 @@
 """The unplanned drill's verdict on a training log split at the kill: the failed step may be
 logged twice (started before the kill, redone after) with the same loss; a completed step
-logged again, a replay with another loss or a skipped step fails the drill. And its kill on a
-real cluster, by pid."""
+logged again, a replay with another loss or a skipped step fails the drill. And its kills by pid:
+a node on a real cluster, one worker process (the crash drill)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchpassd.drill_report import DrillReport
-from torchpassd.drill_unplanned import judge, kill_script
+from torchpassd.drill_unplanned import crash_script, judge, kill_script
 
 
 def _write(path: Path, rows: list[tuple[int, int, str]], finals: bool = True) -> int:
@@ -56,6 +56,14 @@ def test_verdict(tmp_path: Path, case: str) -> None:
         assert rep.bit_identical is False and "recomputed or replayed differently" in (rep.error or "")
 
 
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet."""
+    try:
+        return "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    except FileNotFoundError:
+        return True
+
+
 def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_that_slurmd_only(tmp_path: Path) -> None:
     """On a real cluster the drill kills by pid (a dev cluster's nodes share one pid namespace, so
     `pidof slurmd` there would take every node's): a stand-in step (stepd -> launchpad -> worker),
@@ -77,7 +85,7 @@ def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_th
         assert slurmd.wait(timeout=10) == -9
         for pid in (worker, launchpad):
             deadline = time.monotonic() + 10
-            while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+            while not _dead(pid):
                 assert time.monotonic() < deadline, f"{pid} still runs"
                 time.sleep(0.02)
         assert bystander.poll() is None
@@ -85,3 +93,24 @@ def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_th
         for proc in (step, slurmd, bystander):
             proc.kill()
             proc.wait()
+
+
+def test_the_crash_drill_kills_its_worker_and_leaves_the_launchpad_and_other_workers(tmp_path: Path) -> None:
+    """``--mode unplanned-crash``: one worker process killed by pid, as an OOM kill would; its
+    launchpad (the parent) and the node's other worker live on: the node stays healthy."""
+    launchpad = subprocess.Popen(["sh", "-c", "sleep 300 & echo $! > a; sleep 300 & echo $! > b; wait"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while not all((tmp_path / n).exists() and (tmp_path / n).read_text().strip() for n in "ab"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        victim, other = (int((tmp_path / n).read_text()) for n in "ab")
+        subprocess.run(["sh", "-c", crash_script(victim)], check=True, timeout=30)
+        deadline = time.monotonic() + 10
+        while not _dead(victim):
+            assert time.monotonic() < deadline, f"{victim} still runs"
+            time.sleep(0.02)
+        assert launchpad.poll() is None and not _dead(other)
+    finally:
+        launchpad.kill()
+        launchpad.wait()
