@@ -175,9 +175,12 @@ def run(drill: Drill, victim: str, rank: int, workdir: Path) -> None:
     rep.fault = fault_kind
     job = drill._job() or {}
     workers = job.get("launchpads", {}).get(victim, {}).get("workers") or []
-    pids = [w["pid"] for w in sorted(workers, key=lambda w: w["rank"] != rank) if "pid" in w]  # rank's first
+    pids = [w["pid"] for w in workers if "pid" in w and (fault_kind != "crash" or w["rank"] == rank)]
     if fault_kind == "crash":
         rep.moved_ranks = [rank]
+        if not pids:
+            raise MigrationError(f"{victim}'s launchpad reported no pid for rank {rank}: nothing to crash",
+                                 hint="check that its launchpad reports its workers", job=rep.job_id)
     log = workdir / "train.log"
     try:
         killed_at = fault.inject(victim, pids)

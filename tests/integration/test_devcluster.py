@@ -272,6 +272,18 @@ def test_up_again_is_a_no_op_that_keeps_every_daemon(devcluster: DevCluster) -> 
 
 
 @slurm
+def test_a_slurmd_caught_rewriting_its_own_pidfile_is_still_seen_running(devcluster: DevCluster) -> None:
+    """slurmd truncates its pidfile before writing its pid; the tool read that file, took the
+    empty moment for a dead slurmd and started a second one, which the pidfile lock refused and
+    which left its own pid in the file: every later `reset` then failed ("pidfile locked by ...")."""
+    devcluster.reset()
+    before = devcluster.info["daemons"]
+    (Path(devcluster.info["state_dir"]) / "run" / "slurmd.n2.pid").write_text("")  # caught mid-rewrite
+    devcluster.reset()
+    assert devcluster.info["daemons"] == before  # the same slurmd, no second one started
+
+
+@slurm
 def test_a_second_instance_comes_up_beside_the_first_and_down_leaves_nothing(devcluster: DevCluster) -> None:
     second = DevCluster((devcluster.id + 5) % 10, nodes=3, spares=1)
     assert instance_id_from_env() != second.id

@@ -159,6 +159,7 @@ def down(inst: Instance, say: Say) -> None:
     netns.destroy(inst)
     for name in pids:
         inst.pidfile(name).unlink(missing_ok=True)
+        inst.spawn_record(name).unlink(missing_ok=True)
     inst.shape_file.unlink(missing_ok=True)
     say("down: no process, namespace or link of this instance is left")
 

@@ -96,7 +96,14 @@ class Instance:
         return self.sub("munge") / "run" / "munge.socket.2"
 
     def pidfile(self, daemon: str) -> Path:
+        """Where the daemon itself keeps its pid (its configuration names this file)."""
         return self.run_dir / f"{daemon}.pid"
+
+    def spawn_record(self, daemon: str) -> Path:
+        """Where this tool records the pid it started the daemon as. Not the daemon's own pidfile:
+        a daemon truncates that before writing it (a reader can find it empty), and a second copy
+        refused by its lock rewrites it, so the running daemon's pid would be lost."""
+        return self.run_dir / f"{daemon}.started"
 
     @property
     def cluster_name(self) -> str:

@@ -27,17 +27,17 @@ def marked_env(inst: Instance, extra: dict[str, str] | None = None) -> dict[str,
 
 def spawn(inst: Instance, name: str, argv: list[str]) -> None:
     """Start ``argv`` (which must stay in the foreground) as daemon ``name``, its output going to
-    log/<name>.out, and record its PID in run/<name>.pid."""
+    log/<name>.out, and record its PID in run/<name>.started."""
     with open(inst.log_dir / f"{name}.out", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=marked_env(inst), start_new_session=True)
     _started[name] = proc
-    inst.pidfile(name).write_text(f"{proc.pid}\n")
+    inst.spawn_record(name).write_text(f"{proc.pid}\n")
 
 
 def read_pid(inst: Instance, name: str) -> int | None:
     try:
-        return int(inst.pidfile(name).read_text().split()[0])
+        return int(inst.spawn_record(name).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
