@@ -3,8 +3,9 @@ watching them until all succeeded or the first one failed (torchrun's rule: one 
 the others), and stopping them with SIGTERM then SIGKILL after the grace period. Under a
 model-aware TorchPass job a worker killed by a signal (SIGKILL of an OOM kill, SIGSEGV, SIGABRT)
 is held instead: the others keep running while torchpassd rebuilds its rank in place (a joiner
-added here); held past ``hold_s`` it fails the round as before. A worker that exits with a code
-(the script raised) always fails the round: restarting a bug would repeat it."""
+added here, from the node's warm standby when it has one: launchpad/standby.py); held past ``hold_s``
+it fails the round as before. A worker that exits with a code (the script raised) always fails the
+round: restarting a bug would repeat it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from launchpad import movable, workers
 from launchpad.output import OutputRouter
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
+from launchpad.standby import Standby
 from torchpass_common import agent_channel, log
 from torchpass_common.errors import ProtocolError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
@@ -85,6 +87,8 @@ class WorkerGroup:
         self.frozen: dict[int, float] = {}  # pid -> seconds it was frozen when the watchdog killed it
         self.rebuilding: set[int] = set()  # pids of joiners that took a held crashed worker's place
         self.hold = movable.restore_target()
+        self.standby: Standby | None = None  # kept while crashes are held for an in-place rebuild
+        self._standby_task: asyncio.Task[None] | None = None
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
     async def start(self) -> None:
@@ -103,6 +107,31 @@ class WorkerGroup:
                 agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank].wire())})
             env.pop(agent_channel.ENV_JOIN_PLAN, None)  # every worker sees only its own source and token
             await self._add(rank, local_rank, env)
+        self.keep_standby()
+
+    def keep_standby(self) -> None:
+        """Start a standby in the background where a crashed rank may be rebuilt here: crashes are
+        held (a model-aware job) and workers run the bootstrap (not --no-python, not movable)."""
+        if self.hold_s > 0 and not movable.movable() and not self.spec.no_python:
+            self._standby_task = asyncio.create_task(self._start_standby())
+
+    async def _start_standby(self) -> None:
+        env = workers.worker_env(self.spec, self.m, 0, self.restarts, self.socket_path)
+        try:
+            self.standby = await Standby.start(self.spec, env)
+        except OSError as exc:  # a rebuild then starts its worker cold, as without a standby
+            self._log.warning("standby.not_started", error=str(exc))
+
+    async def _from_standby(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker | None:
+        """Worker ``rank`` made of the standby (and a new standby started), or None without one."""
+        standby, self.standby = self.standby, None
+        if standby is None:
+            return None
+        w = await standby.become(self.router, rank, local_rank, env)
+        if w is None:
+            await standby.stop()
+        self.keep_standby()
+        return None if w is None else self.adopt(w)
 
     async def add_joiner(self, rank: int, world_size: int, source: TransferAddress) -> workers.Worker:
         """Start a worker that joins the running job as ``rank``, loading its state from ``source``;
@@ -116,9 +145,10 @@ class WorkerGroup:
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
             agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
-        w = await self._add(rank, local_rank, env)
-        if crashed is not None:
-            self.rebuilding.add(w.pid)
+        if crashed is None:
+            return await self._add(rank, local_rank, env)
+        w = await self._from_standby(rank, local_rank, env) or await self._add(rank, local_rank, env)
+        self.rebuilding.add(w.pid)
         return w
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
@@ -226,5 +256,11 @@ class WorkerGroup:
                                           for w in self.workers.values())
 
     async def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker still running: ``sig`` first, SIGKILL after the grace period."""
+        """Stop every worker still running: ``sig`` first, SIGKILL after the grace period; and the standby."""
+        if self._standby_task is not None:
+            self._standby_task.cancel()
+            await asyncio.gather(self._standby_task, return_exceptions=True)
+        if self.standby is not None:
+            await self.standby.stop()
+            self.standby = None
         await asyncio.gather(*(w.stop(sig, self.spec.grace_period) for w in self.workers.values()))

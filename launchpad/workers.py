@@ -21,11 +21,11 @@ from launchpad.spec import LaunchSpec
 from torchpass_common import agent_channel, log
 
 BOOTSTRAP = "torchpass._bootstrap"
-_LINE_LIMIT = 1 << 20
+LINE_LIMIT = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_agent() -> None:
+def die_with_agent() -> None:
     """In the child before exec: SIGKILL this worker if launchpad dies, so no worker outlives
     its agent (a SIGKILLed launchpad cannot forward anything)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -120,7 +120,7 @@ async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: i
     if not os_pipes:
         proc = await asyncio.create_subprocess_exec(
             *prefix, *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_agent, limit=_LINE_LIMIT,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=die_with_agent, limit=LINE_LIMIT,
             pass_fds=tuple(pass_fds))
         assert proc.stdout is not None and proc.stderr is not None
         streams = (proc.stdout, proc.stderr)
@@ -129,7 +129,7 @@ async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: i
         try:
             proc = await asyncio.create_subprocess_exec(
                 *prefix, *command(spec), env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=out_w,
-                stderr=err_w, start_new_session=True, preexec_fn=_die_with_agent, pass_fds=tuple(pass_fds))
+                stderr=err_w, start_new_session=True, preexec_fn=die_with_agent, pass_fds=tuple(pass_fds))
         except BaseException:
             os.close(out_r)
             os.close(err_r)
@@ -147,7 +147,7 @@ async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: i
 async def pipe_reader(fd: int) -> asyncio.StreamReader:
     """An asyncio reader on the read end ``fd`` of a pipe (it takes the fd over)."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=_LINE_LIMIT, loop=loop)
+    reader = asyncio.StreamReader(limit=LINE_LIMIT, loop=loop)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
     return reader
 

@@ -2,20 +2,44 @@
 Activates TorchPass (default group, launchpad connection), then runs the user's script or module
 as ``__main__`` with argv intact, the way ``python script.py`` / ``python -m module`` would. When
 a collective fails because a peer was lost, the exception stops here: the worker is interrupted,
-and once recovered runs the script again in this process (its register() loads the state)."""
+and once recovered runs the script again in this process (its register() loads the state).
+``--standby`` first (launchpad/standby.py): import torch, then wait on stdin for the environment of
+the rank this process becomes, and go on as that worker."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import runpy
 import sys
 
 from torchpass import runtime
+from torchpass_common import agent_channel as ac
+
+
+def await_role() -> None:
+    """A standby: import what every worker imports, then block until launchpad writes the
+    environment of the worker this process becomes (one JSON line; end of file: not needed, leave).
+    That environment replaces ours whole, and stdin becomes /dev/null as a worker's is."""
+    import torch.distributed  # noqa: F401, PLC0415 - the import a standby is kept for
+
+    line = sys.stdin.buffer.readline()
+    if not line:
+        os._exit(0)
+    env = json.loads(line)
+    os.environ.clear()
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == [ac.STANDBY_FLAG]:
+        await_role()
+        argv = argv[1:]
     module = bool(argv) and argv[0] == "-m"
     if module:
         argv = argv[1:]

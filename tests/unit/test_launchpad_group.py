@@ -256,3 +256,52 @@ def test_an_in_place_rebuild_given_up_by_a_restarted_torchpassd_is_held_as_a_cra
     assert acked["held"] == [0] and acked["stopped_joiners"] == [], acked
     assert beats == [1, 1], beats  # torchpassd heard of each crash at once: the kill, then the aborted rebuild
     assert first != second
+
+
+def test_a_crashed_rank_is_rebuilt_from_the_warm_standby_and_a_new_one_is_kept(tmp_path: Path) -> None:
+    """Under a model-aware job the node keeps a standby (interpreter up, torch imported): the joiner
+    that rebuilds a crashed rank is that process, told the rank's environment, so the pause pays no
+    interpreter start; another standby is started for the next crash; stop() lets it go."""
+    joiner = tmp_path / "joiner.py"
+    joiner.write_text("import json, os, sys, time\n"
+                      f"open({str(tmp_path / 'joined.json')!r}, 'w').write(json.dumps({{'pid': os.getpid(), "
+                      "'rank': os.environ['RANK'], 'join': os.environ.get('TORCHPASS_JOIN'), "
+                      "'torch_before_script': 'torch' in sys.modules, 'stdin': sys.stdin.read()}))\n"
+                      "time.sleep(1)\n")
+    spec = LaunchSpec(entrypoint=str(joiner), args=(), grace_period=5.0)  # through the bootstrap
+    crash = LaunchSpec(entrypoint=sys.executable, args=("-c", KILLED), no_python=True, grace_period=5.0)
+
+    async def main() -> tuple[Outcome, dict]:
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="", hold_s=10)  # no agent socket: inert
+        group.keep_standby()
+        while group.standby is None:
+            await asyncio.sleep(0.05)
+        standby = group.standby.proc.pid
+        group.adopt(await workers.spawn(crash, group.router, 0, 0, {}))
+        seen: dict = {"standby": standby}
+
+        async def rebuild() -> None:
+            while not group.held:
+                await asyncio.sleep(0.05)
+            seen["joiner"] = (await group.add_joiner(0, 2, TransferAddress("127.0.0.1", 1, b"\0"))).pid
+            while group.standby is None:
+                await asyncio.sleep(0.05)
+            seen["next_standby"] = group.standby.proc.pid
+
+        async def no_remote() -> str | None:
+            return None
+
+        task = asyncio.create_task(rebuild())
+        try:
+            return await asyncio.wait_for(group.supervise(asyncio.Event(), lambda: None, no_remote, 0.05), 60), seen
+        finally:
+            await task
+            await group.stop()
+            seen["left"] = [p for p in (standby, seen.get("next_standby")) if p and Path(f"/proc/{p}").exists()]
+
+    out, seen = asyncio.run(main())
+    assert out.ok, out.describe()
+    joined = json.loads((tmp_path / "joined.json").read_text())
+    assert seen["joiner"] == seen["standby"] == joined["pid"]  # the standby became rank 0's joiner
+    assert (joined["rank"], joined["join"], joined["torch_before_script"], joined["stdin"]) == ("0", "1", True, "")
+    assert seen["next_standby"] not in (None, seen["standby"]) and seen["left"] == []

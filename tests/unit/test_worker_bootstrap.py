@@ -96,3 +96,23 @@ def test_a_script_ending_with_sys_exit_keeps_its_exit_code(tmp_path: Path) -> No
         script.write_text(f"import sys\nprint('bye')\nsys.exit({code})\n")
         res = bootstrap([str(script)], cwd=tmp_path)
         assert (res.returncode, res.stdout) == (code, "bye\n"), res.stderr
+
+
+def test_a_standby_takes_the_environment_it_is_given_whole_then_runs_the_script(tmp_path):
+    """``--standby`` (launchpad/standby.py): torch is imported before the script is known; the
+    environment written on stdin replaces the one it was started with; stdin is then empty, as a
+    worker's; end of file before any environment: it leaves without running the script."""
+    script = tmp_path / "train.py"
+    script.write_text("import json, os, sys\n"
+                      "print(json.dumps({'argv': sys.argv, 'who': os.environ.get('WHO'), "
+                      "'stale': os.environ.get('STALE'), 'stdin': sys.stdin.read()}))\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
+    given = {**base, "PYTHONPATH": str(ROOT), "WHO": "rank 3"}
+    argv = [sys.executable, "-m", "torchpass._bootstrap", "--standby", str(script), "--lr", "1"]
+    out = subprocess.run(argv, cwd=tmp_path, env={**base, "PYTHONPATH": str(ROOT), "STALE": "1"},
+                         input=json.dumps(given) + "\n", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"argv": [str(script), "--lr", "1"], "who": "rank 3", "stale": None, "stdin": ""}
+    unused = subprocess.run(argv, cwd=tmp_path, env={**base, "PYTHONPATH": str(ROOT)}, input="",
+                            capture_output=True, text=True, timeout=120)
+    assert (unused.returncode, unused.stdout) == (0, "")
