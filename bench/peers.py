@@ -1,0 +1,176 @@
+"""TorchPass against its peers on the same faults, side by side in one run: a worker process
+killed on a healthy node (an OOM kill, a segfault) and a whole node killed, each suffered by
+- TorchPass: ``torchpassctl drill --mode unplanned-crash`` / ``--mode unplanned`` on the dev cluster
+  (the rank rebuilt in place / on a spare from a data-parallel replica, resumed at the failed step);
+- torchrun + checkpoint restart (bench/_restart.py): torchrun's --max-restarts for the worker,
+  Slurm's requeue for the node, both reloading the last checkpoint and recomputing;
+- torchft 0.2 (bench/_torchft.py): its Lighthouse, one replica group a node; the killed replica is
+  started again (at once for the worker; for the node, as late as TorchPass's own replacement was
+  ready in the same run: a spare takes the same time to start for both) and heals from a live peer
+  while the others train on at reduced strength.
+The same model (torchpassd/drill_jobs/ddp_train.py's) and the same number of nodes for all three.
+Reported per fault and peer: time lost, steps trained at reduced strength, bit-identity to an
+undisturbed run, and the peer's time lost over TorchPass's. Writes peers.json and peers.md to --outdir."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.recovery import ROOT, _drill, _part, _say, prepare_cluster, time_lost
+from torchpassd.drill import DrillSettings
+from torchpassd.goodput import ratio
+
+# fault -> (the TorchPass drill mode, bench/_restart.py's fault, bench/_torchft.py's fault)
+FAULTS = {"worker_kill": ("unplanned-crash", "worker", "worker_kill"),
+          "node_kill": ("unplanned", "node", "node_kill")}
+PEERS = ("checkpoint_restart", "torchft")
+STEP_SLEEP = DrillSettings().step_sleep  # the simulated compute a step of the drill's job, for every system
+NOT_MEASURED_RESTART = "not measured: the baseline job is cancelled once it is back at the failed step"
+
+
+def torchpass_row(rep: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """A drill report as a row: every rank pauses together, so no step runs at reduced strength;
+    a failed drill is reported with its error, never as a number."""
+    if rep.get("pause_s") is None:
+        return {"error": rep.get("not_available") or rep.get("error") or "no pause measured"}
+    return {"time_lost_s": _round(time_lost(rep, step_s)), "reduced_strength_steps": 0 if rep.get("ok") else None,
+            "bit_identical": bool(rep.get("bit_identical")), "job_state": rep.get("job_state"),
+            "error": rep.get("error")}
+
+
+def restart_row(res: dict[str, Any]) -> dict[str, Any]:
+    """bench/_restart.py's result as a row: the job stops whole, so nothing trains at reduced strength."""
+    if "time_lost_s" not in res:
+        return {"error": res.get("error") or "no time lost measured"}
+    return {"time_lost_s": res["time_lost_s"], "reduced_strength_steps": 0, "bit_identical": None,
+            "note": NOT_MEASURED_RESTART, "lost_steps": res.get("lost_steps")}
+
+
+def torchft_row(res: dict[str, Any]) -> dict[str, Any]:
+    """bench/_torchft.py's result as a row."""
+    if res.get("time_lost_s") is None:
+        return {"error": res.get("error") or "no time lost measured"}
+    return {"time_lost_s": _round(res["time_lost_s"]), "reduced_strength_steps": res.get("steps_at_reduced_strength"),
+            "bit_identical": res.get("bit_identical"), "recovery_s": res.get("recovery_s")}
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per fault: each system's row and each peer's time lost over TorchPass's; the two goals
+    (TorchPass loses least on every fault; only TorchPass stays bit-identical), None when a
+    figure they need was not measured."""
+    out: dict[str, Any] = {"faults": {}}
+    least, only_identical = [], []
+    for fault, rows in raw["faults"].items():
+        tp = rows.get("torchpass", {})
+        over = {p: _round3(ratio(rows.get(p, {}).get("time_lost_s"), tp.get("time_lost_s"))) for p in PEERS}
+        out["faults"][fault] = {**rows, "peer_over_torchpass": over}
+        least.append(None if None in over.values() else all(r > 1 for r in over.values()))
+        peers_identical = [rows.get(p, {}).get("bit_identical") for p in PEERS]
+        only_identical.append(None if tp.get("bit_identical") is None
+                              else tp["bit_identical"] and not any(peers_identical))
+    out["torchpass_loses_least"] = None if None in least else all(least)
+    out["only_torchpass_bit_identical"] = None if None in only_identical else all(only_identical)
+    return out
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def _round3(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = ["| fault | system | time lost (s) | steps at reduced strength | bit-identical | time lost / TorchPass's |",
+            "|---|---|---|---|---|---|"]
+    for fault, f in res["faults"].items():
+        for system in ("torchpass", *PEERS):
+            r = f.get(system, {})
+            if "time_lost_s" not in r:
+                rows.append(f"| {fault} | {system} | {r.get('error', 'not run')} | | | |")
+                continue
+            over = "1 (baseline)" if system == "torchpass" else f["peer_over_torchpass"][system]
+            identical = r["bit_identical"] if r["bit_identical"] is not None else r.get("note", "not measured")
+            rows.append(f"| {fault} | {system} | {r['time_lost_s']} | {r['reduced_strength_steps']} | {identical} "
+                        f"| {over} |")
+    return ("TorchPass against its peers, one run, the same model and nodes\n\n" + "\n".join(rows) + "\n\n"
+            f"TorchPass loses least on every fault: {res['torchpass_loses_least']}; only TorchPass stays "
+            f"bit-identical: {res['only_torchpass_bit_identical']}\n")
+
+
+def replacement_ready_s(rep: dict[str, Any]) -> float | None:
+    """From the fault to TorchPass's replacement being ready (its joiner up): detection plus the
+    recovery's phases up to joiner_ready."""
+    phases = rep.get("timeline") or []
+    upto = next((i for i, p in enumerate(phases) if p["phase"] == "joiner_ready"), None)
+    if upto is None or rep.get("detect_s") is None:
+        return None
+    return round(rep["detect_s"] + sum(p["seconds"] for p in phases[1:upto + 1]), 3)
+
+
+def _measure(cluster: Any, work: Path, a: argparse.Namespace, fault: str,
+             ft_baseline: dict[str, Any]) -> dict[str, Any]:
+    """One fault suffered by TorchPass, checkpoint restart and torchft, one after the other."""
+    from bench import _restart, _torchft
+
+    drill_mode, restart_fault, ft_fault = FAULTS[fault]
+    measured: dict[str, Any] = {}
+    (work / fault).mkdir(mode=0o755)
+    measured["torchpass"] = _drill(cluster, work / fault, drill_mode, a.nodes)
+    _part(measured, "checkpoint_restart", f"checkpoint restart, {fault}", lambda: _restart.run(
+        cluster, work / fault / "restart", nodes=a.nodes, every=a.checkpoint_every, say=_say, fault=restart_fault))
+    cluster.reset()
+    delay = replacement_ready_s(measured["torchpass"]) or a.replace_delay_s
+    if "error" in ft_baseline:
+        measured["torchft"] = {"error": f"not measured: {ft_baseline['error']}"}
+        return measured
+    _part(measured, "torchft", f"torchft, {fault}", lambda: _torchft.run(
+        replicas=a.nodes, steps=a.torchft_steps, step_sleep=STEP_SLEEP, fault=ft_fault, at_step=a.torchft_steps // 3,
+        replace_delay_s=delay, baseline=ft_baseline, workdir=str(work / fault / "torchft")))
+    return measured
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from bench import _torchft
+
+    cluster, work = prepare_cluster("peers")
+    raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "faults": {}, "measured": {}}
+    _say("[peers] torchft undisturbed (the baseline of its time lost)")
+    raw["torchft_baseline"] = (_torchft.run(replicas=a.nodes, steps=a.torchft_steps, step_sleep=STEP_SLEEP,
+                                            workdir=str(work / "torchft-baseline"))
+                               if importlib.util.find_spec("torchft") else
+                               {"error": "torchft is not installed (.venv/bin/pip install -e '.[bench]')"})
+    for fault in a.faults.split(","):
+        measured = raw["measured"][fault] = _measure(cluster, work, a, fault, raw["torchft_baseline"])
+        raw["faults"][fault] = {"torchpass": torchpass_row(measured["torchpass"], STEP_SLEEP),
+                                "checkpoint_restart": restart_row(measured["checkpoint_restart"]),
+                                "torchft": torchft_row(measured["torchft"])}
+    return raw
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench peers")
+    p.add_argument("--nodes", type=int, default=3, help="nodes (torchft: replica groups) of the job (default 3)")
+    p.add_argument("--faults", default=",".join(FAULTS), help="faults to inflict, comma-separated")
+    p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint-restart's interval in steps")
+    p.add_argument("--torchft-steps", type=int, default=150, help="steps of each torchft run")
+    p.add_argument("--replace-delay-s", type=float, default=10.0,
+                   help="torchft's replacement node start when TorchPass's measured none to copy (s)")
+    p.add_argument("--outdir", default=str(ROOT / "bench" / "results"))
+    a = p.parse_args(argv)
+    unknown = set(a.faults.split(",")) - set(FAULTS)
+    if unknown:
+        p.error(f"unknown fault(s) {sorted(unknown)}; use {', '.join(FAULTS)}")
+    raw = run(a)
+    res = {**summarise(raw), "raw": raw}
+    out = Path(a.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "peers.md").write_text(markdown(res))
+    _say(markdown(res))
+    return res
