@@ -32,6 +32,14 @@ srun {torchrun} --nnodes {nodes} --nproc-per-node 1 --max-restarts {restarts} --
 """
 
 
+class JobEnded(TorchPassError):
+    """The baseline job reached a final Slurm state (``state``) while the benchmark waited on it."""
+
+    def __init__(self, state: str, message: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
 def steps_logged(log: Path, rank: int = 0) -> list[tuple[int, float]]:
     """(step, wall time) of ``rank``'s step lines, in file order (a restart repeats steps)."""
     out = []
@@ -100,7 +108,7 @@ def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000
             if not transitions or transitions[-1]["state"] != state:
                 transitions.append({"state": state, "at": time.time()})
             if state in FINAL_JOB_STATES:
-                raise TorchPassError(f"baseline: job {job} ended {state} while waiting for {what}")
+                raise JobEnded(state, f"baseline: job {job} ended {state} while waiting for {what}")
             if time.monotonic() > deadline:
                 raise TorchPassError(f"baseline: timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(0.25)
@@ -121,14 +129,19 @@ def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000
             say(f"[baseline] killed worker {worker} on {victim} at step {max(s for s, _ in steps_logged(log))}; "
                 "torchrun restarts every worker")
         result: dict[str, Any] = {}
-        wait(f"job {job} to be back at the step it failed at",
-             lambda: result.update(_analysed(log, killed_at) or {}) or result)
+        try:
+            wait(f"job {job} to be back at the step it failed at",
+                 lambda: result.update(_analysed(log, killed_at) or {}) or result)
+        except JobEnded as exc:  # a measured outcome: the job did not come back by itself
+            say(f"[baseline] job {job} ended {exc.state} instead of coming back: {exc}")
+            result = {"job_ended": exc.state, "time_lost_s": None}
     finally:
         cluster.run("scancel", job, check=False)
-    say(f"[baseline] lost {result['time_lost_s']} s: restart {result['restart_overhead_s']} s + "
-        f"recompute {result['recompute_s']} s ({result['lost_steps']} steps)")
+    if "job_ended" not in result:
+        say(f"[baseline] lost {result['time_lost_s']} s: restart {result['restart_overhead_s']} s + "
+            f"recompute {result['recompute_s']} s ({result['lost_steps']} steps)")
     return {**result, "nodes": nodes, "checkpoint_every_steps": every,
-            "checkpoint_interval_s": round(every * result["step_s"], 2),
+            "checkpoint_interval_s": round(every * result["step_s"], 2) if "step_s" in result else None,
             "job_states_after_kill": [{"state": t["state"], "after_s": round(t["at"] - killed_at, 1)}
                                       for t in transitions if t["at"] >= killed_at],
             "failure": (f"devcluster kill-node {victim} (SIGKILL of every process on it)" if fault == "node"

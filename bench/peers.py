@@ -43,8 +43,12 @@ def torchpass_row(rep: dict[str, Any], step_s: float) -> dict[str, Any]:
 
 
 def restart_row(res: dict[str, Any]) -> dict[str, Any]:
-    """bench/_restart.py's result as a row: the job stops whole, so nothing trains at reduced strength."""
-    if "time_lost_s" not in res:
+    """bench/_restart.py's result as a row: the job stops whole, so nothing trains at reduced strength.
+    A job that ended instead of coming back lost its run until a person resubmits it."""
+    if res.get("job_ended"):
+        return {"time_lost_s": None, "job_ended": res["job_ended"], "reduced_strength_steps": 0, "bit_identical": None,
+                "note": f"the job ended {res['job_ended']} and did not come back: lost until it is resubmitted"}
+    if res.get("time_lost_s") is None:
         return {"error": res.get("error") or "no time lost measured"}
     return {"time_lost_s": res["time_lost_s"], "reduced_strength_steps": 0, "bit_identical": None,
             "note": NOT_MEASURED_RESTART, "lost_steps": res.get("lost_steps")}
@@ -68,7 +72,10 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         tp = rows.get("torchpass", {})
         over = {p: _round3(ratio(rows.get(p, {}).get("time_lost_s"), tp.get("time_lost_s"))) for p in PEERS}
         out["faults"][fault] = {**rows, "peer_over_torchpass": over}
-        least.append(None if None in over.values() else all(r > 1 for r in over.values()))
+        # a peer whose job ended unrecovered lost more than any finite time
+        lost_more = [rows[p].get("job_ended") is not None or (over[p] is not None and over[p] > 1) for p in PEERS]
+        unknown = any(over[p] is None and rows.get(p, {}).get("job_ended") is None for p in PEERS)
+        least.append(None if unknown or tp.get("time_lost_s") is None else all(lost_more))
         peers_identical = [rows.get(p, {}).get("bit_identical") for p in PEERS]
         only_identical.append(None if tp.get("bit_identical") is None
                               else tp["bit_identical"] and not any(peers_identical))
@@ -91,7 +98,10 @@ def markdown(res: dict[str, Any]) -> str:
     for fault, f in res["faults"].items():
         for system in ("torchpass", *PEERS):
             r = f.get(system, {})
-            if "time_lost_s" not in r:
+            if r.get("job_ended"):
+                rows.append(f"| {fault} | {system} | {r['note']} | {r['reduced_strength_steps']} | - | - |")
+                continue
+            if r.get("time_lost_s") is None:
                 rows.append(f"| {fault} | {system} | {r.get('error', 'not run')} | | | |")
                 continue
             over = "1 (baseline)" if system == "torchpass" else f["peer_over_torchpass"][system]

@@ -72,3 +72,14 @@ def test_torchfts_replacement_starts_when_torchpasss_was_ready() -> None:
                                          {"phase": "joiner_ready", "seconds": 3.3}, {"phase": "resumed", "seconds": 1.0}]}
     assert replacement_ready_s(rep) == 4.0
     assert replacement_ready_s({"detect_s": 0.5, "timeline": []}) is None  # no replacement measured
+
+
+def test_a_peer_whose_job_ended_unrecovered_lost_more_than_torchpass() -> None:
+    """torchrun's restarts can fail (seen: gloo connectFullMesh refused three times) and the job ends
+    FAILED: that job lost its run until a person resubmits it, more than any finite pause."""
+    raw = {"faults": {"worker_kill": {"torchpass": torchpass_row(_drill(2.0), 0.2),
+                                      "checkpoint_restart": restart_row({"job_ended": "FAILED", "time_lost_s": None}),
+                                      "torchft": torchft_row({"time_lost_s": 5.0, "bit_identical": False})}}}
+    res = summarise(raw)
+    assert res["torchpass_loses_least"] is True
+    assert "| worker_kill | checkpoint_restart | the job ended FAILED and did not come back" in markdown(res)
