@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.recovery import ROOT, _drill, _part, _say, prepare_cluster, time_lost
+from bench.recovery import ROOT, _drill, _part, _round, _say, prepare_cluster, time_lost
 from torchpassd.drill import DrillSettings
 from torchpassd.goodput import ratio
 
@@ -70,7 +70,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     least, only_identical = [], []
     for fault, rows in raw["faults"].items():
         tp = rows.get("torchpass", {})
-        over = {p: _round3(ratio(rows.get(p, {}).get("time_lost_s"), tp.get("time_lost_s"))) for p in PEERS}
+        over = {p: _round(ratio(rows.get(p, {}).get("time_lost_s"), tp.get("time_lost_s")), 3) for p in PEERS}
         out["faults"][fault] = {**rows, "peer_over_torchpass": over}
         # a peer whose job ended unrecovered lost more than any finite time
         lost_more = [rows[p].get("job_ended") is not None or (over[p] is not None and over[p] > 1) for p in PEERS]
@@ -82,14 +82,6 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     out["torchpass_loses_least"] = None if None in least else all(least)
     out["only_torchpass_bit_identical"] = None if None in only_identical else all(only_identical)
     return out
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 2)
-
-
-def _round3(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)
 
 
 def markdown(res: dict[str, Any]) -> str:

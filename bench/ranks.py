@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.recovery import ROOT, _drill, _say, mem_available, prepare_cluster, size_fits
+from bench.recovery import ROOT, _drill, _round, _say, mem_available, prepare_cluster, size_fits
 from torchpassd.goodput import ratio
 
 GOAL = 1.3  # N ranks' pause over one rank's
@@ -31,17 +31,13 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         out[f"pause_s_{n}"] = rep.get("pause_s")
         out[f"bytes_{n}"] = rep.get("bytes")
         if n != "1":
-            out[f"ratio_{n}"] = _rounded(ratio(rep.get("pause_s"), one))
+            out[f"ratio_{n}"] = _round(ratio(rep.get("pause_s"), one), 3)
             same = raw.get("same_bytes", {}).get(n) or {}
             out[f"pause_s_one_rank_x{n}"] = same.get("pause_s")
-            out[f"ratio_same_bytes_{n}"] = _rounded(ratio(rep.get("pause_s"), same.get("pause_s")))
+            out[f"ratio_same_bytes_{n}"] = _round(ratio(rep.get("pause_s"), same.get("pause_s")), 3)
         if rep.get("not_available") or rep.get("error"):
             out[f"note_{n}"] = rep.get("not_available") or rep.get("error")
     return out
-
-
-def _rounded(r: float | None) -> float | None:
-    return None if r is None else round(r, 3)
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -100,8 +100,8 @@ def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
     return out
 
 
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 2)
+def _round(v: float | None, digits: int = 2) -> float | None:
+    return None if v is None else round(v, digits)
 
 
 def markdown(res: dict[str, Any]) -> str:

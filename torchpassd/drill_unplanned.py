@@ -3,8 +3,9 @@ node it kills one (never the batch host) for real - SIGKILL of its slurmd, launc
 (on the dev cluster: everything in the node's namespace, `devcluster kill-node`; elsewhere: a job
 step on the node) - or cuts its network (``fault="cut"``, dev cluster only), or kills one worker
 process of a healthy node (``fault="crash"``: an OOM kill, a segfault; the rank is rebuilt in place,
-no spare), waits for torchpassd's unplanned recovery, and judges the run: detect_s from the kill, the step in progress at the kill,
-resumed_at_step from the joiner's first logged step, lost steps, bit-identity.
+no spare), waits for torchpassd's unplanned recovery, and judges the run: detect_s from the kill,
+the step in progress at the kill, resumed_at_step from the joiner's first logged step, lost steps,
+bit-identity.
 
 The example script logs each step's loss right after the forward pass (before the gradient
 all-reduce), so a rank killed mid-step has logged every step it started; survivors and the joiner

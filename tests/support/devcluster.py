@@ -87,7 +87,8 @@ class DevCluster:
 
     def node_pids(self, node: str) -> list[int]:
         """The processes inside ``node``'s network namespace (its slurmd, steps and their tasks)."""
-        out = self.run("ip", "netns", "pids", f"tpdc{self.id}-{node}", check=False).stdout
+        ns = next(n["netns"] for n in self.info["nodes"] if n["name"] == node)  # the tool names it
+        out = self.run("ip", "netns", "pids", ns, check=False).stdout
         return [int(p) for p in out.split()]
 
     def kill_node(self, node: str) -> None:
