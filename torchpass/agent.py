@@ -412,13 +412,15 @@ class Agent:
     def _receive(self, source: dict[str, Any] | TransferAddress) -> tuple[dict[str, Any], Any]:
         """The hand-over record from ``source``: a joiner's donor, or a re-entered survivor's own
         state ({"record": ...}) or its donor's (a survivor that lagged one step behind); and this
-        rank's own save() state when it was taken here (the wormhole's receive template), else None."""
+        rank's own save() state when it was taken here (the wormhole's receive template, filled in
+        place on a fresh joiner: a failed receive ends it anyway; a survivor's is kept intact), else None."""
         if isinstance(source, dict):
             self.send(ac.message(ac.READY))
             return source["record"], None
         assert self.save_fn is not None
         own = self.save_fn()
-        incoming = handover.Incoming(source, rank=self.rank, template=None if own is None else handover.record(own, 0, []))
+        incoming = handover.Incoming(source, rank=self.rank, template=None if own is None else handover.record(own, 0, []),
+                                     in_place=self.rejoin is None)  # a fresh joiner: nothing of its own to keep
         self.send(ac.message(ac.READY))
         return incoming.receive(self.timeouts.decision), own
 

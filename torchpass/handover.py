@@ -102,14 +102,16 @@ def send(rec: dict[str, Any], dest: TransferAddress, *, rank: int) -> int:
 class Incoming:
     """The joiner's end of a hand-over, described by ``source`` (TORCHPASS_JOIN_SOURCE): from
     construction on it can take the state (a wormhole receiver is listening). ``template``: a
-    record whose tensors the wormhole fills, e.g. the joiner's own parameters."""
+    record whose tensors the wormhole fills, e.g. the joiner's own parameters. ``in_place``: the
+    bytes land in the template's tensors directly, no staging copy of the state (for a rank whose
+    own state is worthless if the receive fails: a fresh joiner, which then exits)."""
 
-    def __init__(self, source: TransferAddress, *, rank: int, template: Any = None) -> None:
+    def __init__(self, source: TransferAddress, *, rank: int, template: Any = None, in_place: bool = False) -> None:
         from launchpad.wormhole import StateReceiver
 
         self.rank = rank
         self._receiver = StateReceiver(source.host, source.port, source.token, template=template,
-                                       context={"rank": rank})
+                                       in_place=in_place, context={"rank": rank})
 
     def receive(self, timeout: float) -> dict[str, Any]:
         """Wait up to ``timeout`` s for the donor's record."""

@@ -6,6 +6,7 @@ and one without register() cannot be recovered (a clear error, it stays interrup
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import threading
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launchpad.wormhole import send_state
+from launchpad.wormhole import send_state, sinks
 from launchpad.wormhole.transport import Stream, TcpTransport
 from tests.support.ports import free_port
 from torchpass import default_group, handover, recovery, steps
@@ -69,7 +70,8 @@ def state(who: str, value: float) -> dict[str, Any]:
 def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_group: None) -> None:
     agent, launchpad = agent_pair()
     loaded: list[Any] = []
-    agent.save_fn, agent.load_fn = (lambda: state("template", 0.0)), loaded.append
+    live = state("template", 0.0)  # the survivor's own tensors, as its save() returns them
+    agent.save_fn, agent.load_fn = (lambda: live), loaded.append
     own, donor = handover.record(state("own", 6.0), 6, []), handover.record(state("donor", 7.0), 7, [])
     token, port = secrets.token_bytes(32), free_port()
     agent.rejoin = recovery.Rejoin(TransferAddress("127.0.0.1", port, token), own, 6, gen=1)
@@ -84,6 +86,7 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     again = next_reply(launchpad)
     assert (again["t"], again["gen"], again["step"], again["registered"]) == (ac.INTERRUPTED, 1, 6, True)
     assert not loaded  # nothing half-received was loaded
+    assert torch.equal(live["w"], torch.zeros(256, 1024))  # nor written into the survivor's own tensors
     token2, port2 = secrets.token_bytes(32), free_port()
     launchpad.send(ac.message(ac.RECOVER, gen=2, world_size=3, step=7, donate=[],
                               load_from={"host": "127.0.0.1", "port": port2, "token": token2.hex()}))
@@ -95,6 +98,31 @@ def test_a_lagging_survivor_loads_the_donors_state_after_a_torn_stream(local_gro
     assert steps.current() == 7 and agent.rejoin is None
     launchpad.send(ac.message(ac.RESUME, gen=2))
     assert next_reply(launchpad) == {"t": ac.RESUMED, "gen": 2}
+    joined.join(10)
+    assert not joined.is_alive()
+
+
+def test_a_fresh_joiner_receives_straight_into_its_own_tensors(local_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No staging copy of the state on a joiner (a 4 GiB rank would need 8 GiB): the donor's bytes
+    land in the tensors its save() returned, before its load() runs."""
+    staged: list[torch.Size] = []
+    real_staging = sinks.host_staging
+    monkeypatch.setattr(sinks, "host_staging", lambda t, stride: staged.append(t.shape) or real_staging(t, stride))
+    token, port = secrets.token_bytes(32), free_port()
+    monkeypatch.setenv(ac.ENV_JOIN_SOURCE, json.dumps(TransferAddress("127.0.0.1", port, token).wire()))
+    agent, launchpad = agent_pair()
+    live = state("template", 0.0)
+    seen: list[bool] = []
+    agent.save_fn = lambda: live
+    agent.load_fn = lambda user: seen.append(user["w"] is live["w"] and bool((live["w"] == 7.0).all()))
+    joined = threading.Thread(target=agent.join, daemon=True)
+    joined.start()
+    assert next_reply(launchpad)["t"] == ac.READY
+    handover.send(handover.record(state("donor", 7.0), 7, []), TransferAddress("127.0.0.1", port, token), rank=0)
+    assert next_reply(launchpad)["t"] == ac.JOINED
+    assert seen == [True] and staged == []
+    launchpad.send(ac.message(ac.RESUME, gen=1))
+    assert next_reply(launchpad)["t"] == ac.RESUMED
     joined.join(10)
     assert not joined.is_alive()
 
