@@ -21,7 +21,7 @@ from typing import Any
 from launchpad import movable
 from launchpad.channel import ChannelServer
 from launchpad.group import Outcome, WorkerGroup
-from launchpad.rendezvous import Rendezvous
+from launchpad.rendezvous import Rendezvous, joiner_membership
 from launchpad.spec import LaunchSpec
 from launchpad.watchdog import Watchdog
 from torchpass_common import agent_channel as ac
@@ -72,7 +72,8 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self.channel.start()
-            self.rdzv = await self._store(Rendezvous, self.spec)
+            if ac.ENV_JOIN_PLAN not in os.environ:  # a joiner's place is its join plan (joiner_membership)
+                self.rdzv = await self._store(Rendezvous, self.spec)
             if self.spec.job:
                 from launchpad.control import ControlPlane  # deferred: only with a control plane
 
@@ -96,10 +97,10 @@ class Agent:
         --max-restarts is spent; then stop and exit non-zero naming the failed worker."""
         spec, rnd, restarts = self.spec, 0, 0
         while True:
-            m = await self._store(self.rdzv.join, rnd)
+            m = joiner_membership(spec) if self.rdzv is None else await self._store(self.rdzv.join, rnd)
             self.world_size = m.world_size
             self.group = WorkerGroup(spec, m, restarts, self.channel.path, hold_s=self._crash_hold_s(),
-                                     on_held=lambda: self.beat_now())
+                                     on_held=lambda: self.beat_now(), settled=self._workers_settled)
             await self.group.start()
             watchdog = asyncio.create_task(Watchdog(self.channel, self.group).run()) if self.group.hold_s else None
             try:
@@ -113,8 +114,9 @@ class Agent:
                 # the job) keeps the store for as long as the other nodes train
                 emptied = self.group.emptied()
                 try:  # nodes lost on the way never report done
-                    await self._store(self.rdzv.finish, rnd, m.nnodes - self.lost_nodes,
-                                      None if emptied else self.timeouts.reform)
+                    if self.rdzv is not None:
+                        await self._store(self.rdzv.finish, rnd, m.nnodes - self.lost_nodes,
+                                          None if emptied else self.timeouts.reform)
                 except Exception as exc:
                     if not self.lost_nodes:
                         raise
@@ -126,10 +128,18 @@ class Agent:
                 with contextlib.suppress(Exception):  # the store may be gone with its host
                     await self._store(self.rdzv.report_failure, rnd, f"{self.node}: {outcome.describe()}")
             await self.group.stop(outcome.signal or signal.SIGTERM)
-            if outcome.signal is not None or restarts >= spec.max_restarts:
+            if outcome.signal is not None or restarts >= spec.max_restarts or self.rdzv is None:  # a joiner's plan is used once
                 return self._final(outcome)
             restarts, rnd = restarts + 1, rnd + 1
             self._log.warning("agent.restart", restarts=restarts, max_restarts=spec.max_restarts)
+
+    def _workers_settled(self) -> bool:
+        """Every worker of this round has timed a step: its start-up (interpreter, torch import,
+        model, a joiner's state) is over."""
+        links, group = self.channel.links, self.group
+        return group is not None and all(
+            (lk := links.get(pid)) is not None and lk.step_s is not None
+            for pid in group.workers if pid not in group.held)
 
     def _crash_hold_s(self) -> float:
         """How long a worker killed by a signal is held for torchpassd to rebuild it in place: under a

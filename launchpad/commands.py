@@ -169,8 +169,9 @@ class Commands:
         ngen = _int_arg(args, "gen", gen)
         world = _int_arg(args, "world_size", self.agent.world_size)
         ranks = {int(k): v for k, v in (args.get("ranks") or {}).items()}
-        host = args.get("store_host") or self.agent.rdzv.host
-        port = _int_arg(args, "store_port", self.agent.rdzv.port)
+        rdzv, spec = self.agent.rdzv, self.agent.spec  # no rendezvous: a joiner, on the job's endpoint
+        host = args.get("store_host") or (rdzv.host if rdzv else spec.rdzv_host)
+        port = _int_arg(args, "store_port", rdzv.port if rdzv else spec.rdzv_port)
         prefix = args.get("prefix") or f"/torchpass/{self.agent.spec.run_id}/gen{ngen}"
         path = collective_path.check(args["ifname"], "reform's 'ifname'") if args.get("ifname") else ""
         links = self._links()

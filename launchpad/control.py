@@ -99,7 +99,8 @@ class ControlPlane:
                             **({"registered": lk.interruption["registered"], "error": lk.interruption["error"],
                                 "interrupted_at": lk.interrupted_at}
                                if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
-        return {"node": self.node, "seq": self._seq, "workers": workers, **self.telemetry.heartbeat_part(),
+        return {"node": self.node, "seq": self._seq, "workers": workers,
+                "standby": group.standby_state if group else "none", **self.telemetry.heartbeat_part(),
                 **self.links.heartbeat_part(), **({"path": self.agent.path} if self.agent.path else {})}
 
     async def _heartbeats(self) -> None:

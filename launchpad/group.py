@@ -27,6 +27,8 @@ from torchpass_common import agent_channel, log
 from torchpass_common.errors import ProtocolError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
 
+STANDBY_WAIT_S = 0.5  # how often a standby not started yet looks whether the workers settled
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -75,7 +77,8 @@ class WorkerGroup:
     """This node's workers in round ``m.round``; ``workers`` maps pid to Worker."""
 
     def __init__(self, spec: LaunchSpec, m: Membership, restarts: int, socket_path: str, *,
-                 hold_s: float = 0.0, on_held: Callable[[], None] = lambda: None) -> None:
+                 hold_s: float = 0.0, on_held: Callable[[], None] = lambda: None,
+                 settled: Callable[[], bool] = lambda: True) -> None:
         self.spec, self.m, self.restarts, self.socket_path = spec, m, restarts, socket_path
         self.router = OutputRouter(spec, attempt=restarts)
         self.workers: dict[int, workers.Worker] = {}
@@ -88,6 +91,7 @@ class WorkerGroup:
         self.rebuilding: set[int] = set()  # pids of joiners that took a held crashed worker's place
         self.hold = movable.restore_target()
         self.standby: Standby | None = None  # kept while crashes are held for an in-place rebuild
+        self.settled = settled  # the workers' own start-up is over (e.g. each timed a step): a standby may start
         self._standby_task: asyncio.Task[None] | None = None
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
@@ -115,7 +119,17 @@ class WorkerGroup:
         if self.hold_s > 0 and not movable.movable() and not self.spec.no_python:
             self._standby_task = asyncio.create_task(self._start_standby())
 
+    @property
+    def standby_state(self) -> str:
+        """``ready`` (a rebuild here starts warm), ``starting`` (waiting for the workers to settle,
+        or importing torch) or ``none`` (this node keeps no standby)."""
+        if self.standby is not None:
+            return "ready"
+        return "starting" if self._standby_task is not None and not self._standby_task.done() else "none"
+
     async def _start_standby(self) -> None:
+        while not self.settled():  # its torch import would slow theirs (and a joiner's) on a node of few cores
+            await asyncio.sleep(STANDBY_WAIT_S)
         env = workers.worker_env(self.spec, self.m, 0, self.restarts, self.socket_path)
         try:
             self.standby = await Standby.start(self.spec, env)

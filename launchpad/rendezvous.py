@@ -11,12 +11,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from launchpad.spec import LaunchSpec
 from torchpass_common import log
 from torchpass_common.errors import TorchPassError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _POLL = 0.05
 
@@ -55,6 +57,14 @@ def _is_local_address(host: str) -> bool:
     return False
 
 
+def joiner_membership(spec: LaunchSpec) -> Membership:
+    """The place of a launchpad that joins a running job (a spare, started by torchpassd): fixed by
+    its join plan, not agreed in a round. One node of its own (the plan gives its ranks, world size
+    and node rank), the job's store at the rendezvous endpoint."""
+    return Membership(round=0, node_rank=0, nnodes=1, rank_offset=0, local_world_size=spec.nproc_per_node,
+                      world_size=spec.nproc_per_node, store_host=spec.rdzv_host, store_port=spec.rdzv_port)
+
+
 class Rendezvous:
     """The agent's handle on the rendezvous store. ``hosting`` tells whether this agent runs the
     store server (and so must outlive the others' workers: see :meth:`finish`)."""
@@ -69,6 +79,8 @@ class Rendezvous:
         self.port = self.store.port
 
     def _connect(self) -> tuple[dist.TCPStore, bool]:
+        import torch.distributed as dist  # here, not at import: seconds, which a joining launchpad skips
+
         spec = self.spec
         timeout = timedelta(seconds=spec.join_timeout)
         should_host = spec.node_rank == 0 if spec.node_rank is not None else _is_local_address(spec.rdzv_host)

@@ -38,13 +38,24 @@ class Standby:
 
     @classmethod
     async def start(cls, spec: LaunchSpec, env: Mapping[str, str]) -> Standby:
-        """Start the standby with ``env`` (a worker's environment: what torch reads at import)."""
+        """Start the standby with ``env`` (a worker's environment: what torch reads at import) and
+        wait until it is warm (it says so on its stdout); OSError when it ends first."""
         proc = await asyncio.create_subprocess_exec(
             *command(spec), env=dict(env), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=workers.die_with_agent,
             limit=workers.LINE_LIMIT)
+        standby = cls(proc)
+        assert proc.stdout is not None
+        try:
+            ready = await proc.stdout.readline()
+        except BaseException:
+            await standby.stop()
+            raise
+        if ready != ac.STANDBY_READY:
+            await standby.stop()
+            raise OSError(f"the standby (pid {proc.pid}) ended before it was warm (exit {proc.returncode})")
         log.get(job=spec.job, node=spec.node).info("standby.started", pid=proc.pid)
-        return cls(proc)
+        return standby
 
     async def become(self, router: OutputRouter, rank: int, local_rank: int,
                      env: Mapping[str, str]) -> workers.Worker | None:

@@ -23,7 +23,6 @@ from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
 from launchpad.channel import WorkerLink
 from launchpad.node_context import NodeContext
-from launchpad.wormhole import File, StateReceiver, send_state
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import MigrationError, ProtocolError, TorchPassError, WorkerError
@@ -181,6 +180,8 @@ class Transparent:
             await self._reattached(w.pid, link, rank)
             raise MigrationError(f"criu dump failed, rank {rank} goes on here: {exc.message}", **where) from exc
         self.originals[_key(migration, rank)] = w
+        from launchpad.wormhole import File, send_state  # imports torch (seconds): not at launchpad's start
+
         t0 = time.monotonic()
         files = {f.name: File(f) for f in sorted(images.iterdir()) if f.is_file()}
         try:
@@ -243,6 +244,8 @@ class Transparent:
     async def _incoming(self, key: str, move: _Move, args: dict[str, Any],
                         where: dict[str, Any]) -> _Incoming:
         migration, rank = key.split("/")
+        from launchpad.wormhole import StateReceiver  # imports torch (seconds): not at launchpad's start
+
         images = self.agent.scratch / f"restore-{migration[:12]}-{rank}"  # one directory per moving worker
         try:
             server = await asyncio.to_thread(runner.PageServer, images, str(args.get("page_host")),

@@ -20,11 +20,14 @@ from torchpass_common import agent_channel as ac
 
 
 def await_role() -> None:
-    """A standby: import what every worker imports, then block until launchpad writes the
-    environment of the worker this process becomes (one JSON line; end of file: not needed, leave).
-    That environment replaces ours whole, and stdin becomes /dev/null as a worker's is."""
+    """A standby: import what every worker imports, say so on stdout (ac.STANDBY_READY), then block
+    until launchpad writes the environment of the worker this process becomes (one JSON line; end
+    of file: not needed, leave). That environment replaces ours whole, and stdin becomes /dev/null
+    as a worker's is."""
     import torch.distributed  # noqa: F401, PLC0415 - the import a standby is kept for
 
+    sys.stdout.buffer.write(ac.STANDBY_READY)
+    sys.stdout.buffer.flush()
     line = sys.stdin.buffer.readline()
     if not line:
         os._exit(0)

@@ -35,6 +35,7 @@ ENV_OUTPUT_ARGS = "TORCHPASS_OUTPUT_ARGS"  # JSON list: the launchpad's output o
 ENV_TIMEOUTS = "TORCHPASS_TIMEOUTS"  # JSON: launchpad's [timeouts] (the collective timeout, parking)
 ENV_CONTROL_FD = "TORCHPASS_CONTROL_FD"  # transparent mode: a pipe launchpad writes "reconnect PATH" into
 STANDBY_FLAG = "--standby"  # the bootstrap's first argument in a standby: its environment comes on stdin
+STANDBY_READY = b"torchpass-standby-ready\n"  # what a standby writes on its stdout once torch is imported
 
 MAX_FRAME = 1 << 20  # control messages only; state travels through the wormhole
 

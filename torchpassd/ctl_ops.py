@@ -61,7 +61,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         for node, lp in job["launchpads"].items():
             ranks = ", ".join(f"rank {w['rank']} step {w['step']} {w['state']}" for w in lp["workers"])
             click.echo(f"  {node:<10} {'online' if lp['online'] else 'offline':<8} gen {lp['gen']:<3} "
-                       f"hb {lp['heartbeat_age']}s  {ranks}")
+                       f"hb {lp['heartbeat_age']}s  {ranks}" + (f"  standby {lp['standby']}" if lp.get("standby") else ""))
     for p in st["pending"]:
         click.echo(f"wanted: move job {p['job']} off {p['node']} ({p['reason']}) since {_when(p['since'])}")
     for dead in st.get("dead", []):  # unplanned: nodes found dead whose recovery has not started

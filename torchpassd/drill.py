@@ -151,9 +151,12 @@ class Drill:
             if not job or len(job["launchpads"]) < self.s.nodes:
                 return None
             workers = [w for lp in job["launchpads"].values() for w in lp["workers"]]
-            return job if len(workers) == self.s.nodes * self.s.nproc \
+            warming = any(lp.get("standby") == "starting" for lp in job["launchpads"].values())
+            return job if len(workers) == self.s.nodes * self.s.nproc and not warming \
                 and min(w["step"] for w in workers) >= self.s.warmup_steps else None
-        job = self._wait("every rank to train", ready)
+        # steady state: every rank trains and every node's standby is warm (the fault of a job
+        # that runs for hours strikes then, not in its first seconds)
+        job = self._wait("every rank to train and every node's standby to be warm", ready)
         others = [n for n in job["nodes"] if n != job["batch_host"]]
         if self.s.victim > len(others):
             raise MigrationError(f"--victim {self.s.victim}: the job has {len(others)} nodes besides its batch host",

@@ -15,6 +15,7 @@ from torchpass_common import log, protocol, rank_ranges
 from torchpass_common.errors import MigrationError, ProtocolError
 
 T = TypeVar("T")
+STANDBY_STATES = ("ready", "starting", "none")  # a launchpad's warm standby, as its heartbeats say
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Launchpad:
     pid: int = 0  # the launchpad process on its node (from its state messages)
     links: dict[str, Any] = field(default_factory=dict)  # its network links, as last reported
     path: str = ""  # the network interface its workers' collectives take ("" not reported)
+    standby: str = ""  # its warm standby: ready, starting or none ("" not reported)
     # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
     _prev: tuple[float, int] | None = None
     steps_per_s: float = 0.0
@@ -93,7 +95,8 @@ class JobView:
                 "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
                                    "heartbeat_age": None if lp.last_heartbeat is None
                                    else round(lp.heartbeat_age(now) or 0.0, 3),
-                                   "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links, "path": lp.path}
+                                   "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links, "path": lp.path,
+                                   "standby": lp.standby}
                                for n, lp in sorted(self.launchpads.items())}}
 
 
@@ -148,6 +151,8 @@ class Registry:
                 lp.links = msg.body["links"]
             if isinstance(msg.body.get("path"), str):
                 lp.path = msg.body["path"]
+            if msg.body.get("standby") in STANDBY_STATES:
+                lp.standby = msg.body["standby"]
             view = self.job(msg.job)
             for w in lp.workers:
                 if "replicas" in w:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,13 +15,17 @@ from types import SimpleNamespace
 import pytest
 
 from launchpad import workers
+from launchpad.agent import Agent
 from launchpad.commands import Commands
 from launchpad.group import Outcome, WorkerGroup, join_plan
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
-from torchpass_common import agent_channel
+from tests.support.ports import free_port
+from torchpass_common import agent_channel, protocol
+from torchpass_common.config import Config
 from torchpass_common.errors import WorkerError
 from torchpass_common.transfer_address import TransferAddress
+from torchpassd.registry import Registry
 
 MEMBERSHIP = Membership(round=0, node_rank=0, nnodes=2, rank_offset=0, local_world_size=1, world_size=2,
                         store_host="127.0.0.1", store_port=1)
@@ -107,6 +112,25 @@ def test_a_joining_node_starts_each_worker_as_the_rank_it_takes_over(tmp_path: P
         assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("8", "2", "4")
         assert env["TORCHPASS_JOIN"] == "1" and json.loads(env["TORCHPASS_JOIN_SOURCE"]) == plan["sources"][i]
         assert env["TORCHPASS_JOIN_PLAN"] is None
+
+
+def test_a_joining_launchpad_starts_its_workers_without_a_rendezvous_or_torch(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A spare's launchpad takes its place from the join plan: no rendezvous round (nothing listens
+    at its endpoint here, yet the worker runs as the plan's rank), and launchpad itself never imports
+    torch (seconds on a small node, before the joiner could even start its own import)."""
+    plan = {"ranks": [5], "world_size": 6, "group_rank": 2, "group_world_size": 3,
+            "sources": [{"host": "0.0.0.0", "port": 29402, "token": "ab"}]}
+    monkeypatch.setenv(agent_channel.ENV_JOIN_PLAN, json.dumps(plan))
+    script = tmp_path / "worker.py"
+    script.write_text(f"import os; open({str(tmp_path / 'rank')!r}, 'w').write(os.environ['RANK'] + ' ' + "
+                      "os.environ['MASTER_ADDR'] + ':' + os.environ['MASTER_PORT'])\n")
+    spec = LaunchSpec(entrypoint=sys.executable, args=(str(script),), no_python=True, rdzv_backend="c10d",
+                      rdzv_host="127.0.0.1", rdzv_port=free_port(), run_id="7-join-ab-n4")
+    code = subprocess.run([sys.executable, "-c", "import sys, launchpad.cli, launchpad.agent, launchpad.control; "
+                           "sys.exit('torch' in sys.modules)"], timeout=60).returncode
+    assert code == 0, "launchpad imported torch at start-up"
+    assert asyncio.run(asyncio.wait_for(Agent(spec, Config()).main(), 60)) == 0
+    assert (tmp_path / "rank").read_text() == f"5 127.0.0.1:{spec.rdzv_port}"
 
 
 def test_a_join_plan_that_does_not_fit_is_refused_clearly(monkeypatch) -> None:  # noqa: ANN001
@@ -305,3 +329,59 @@ def test_a_crashed_rank_is_rebuilt_from_the_warm_standby_and_a_new_one_is_kept(t
     assert seen["joiner"] == seen["standby"] == joined["pid"]  # the standby became rank 0's joiner
     assert (joined["rank"], joined["join"], joined["torch_before_script"], joined["stdin"]) == ("0", "1", True, "")
     assert seen["next_standby"] not in (None, seen["standby"]) and seen["left"] == []
+
+
+def test_the_standby_waits_until_the_workers_have_settled(tmp_path: Path) -> None:
+    """The standby's own torch import is not added to the workers' (or a joiner's) start-up on a
+    node of few cores: it starts only once the agent says they settled (each timed a step)."""
+    spec = LaunchSpec(entrypoint=str(tmp_path / "unused.py"), args=(), grace_period=5.0)
+    settled = [False]
+
+    async def main() -> tuple[bool, bool]:
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="", hold_s=10, settled=lambda: settled[0])
+        group.keep_standby()
+        await asyncio.sleep(1.5)
+        before = group.standby is not None
+        settled[0] = True
+        for _ in range(600):
+            if group.standby is not None:
+                break
+            await asyncio.sleep(0.05)
+        after = group.standby is not None
+        await group.stop()
+        return before, after
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_torchpassd_shows_each_nodes_standby_as_its_heartbeat_says() -> None:
+    """``torchpassctl jobs`` (and the drill, which strikes only once every standby is warm) read
+    the standby's state from the heartbeats; a value that is not one of the states is ignored."""
+    registry = Registry()
+
+    async def beat(standby: object, seq: int) -> str:
+        body = {"node": "n2", "seq": seq, "workers": [], "standby": standby}
+        await registry.on_message("n2", protocol.decode(protocol.encode(protocol.HEARTBEAT, job="4", gen=1, body=body)))
+        return registry.job("4").describe()["launchpads"]["n2"]["standby"]
+
+    async def feed() -> list[str]:
+        return [await beat("starting", 1), await beat("ready", 2), await beat("bogus", 3), await beat(7, 4)]
+
+    assert asyncio.run(feed()) == ["starting", "ready", "ready", "ready"]
+
+
+def test_a_groups_standby_state_follows_its_start(tmp_path: Path) -> None:
+    spec = LaunchSpec(entrypoint=str(tmp_path / "unused.py"), args=(), grace_period=5.0)
+
+    async def main() -> list[str]:
+        states = []
+        off = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="")  # hold_s 0: crashes are not held
+        off.keep_standby()
+        states.append(off.standby_state)
+        group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="", hold_s=10, settled=lambda: False)
+        group.keep_standby()
+        states.append(group.standby_state)
+        await group.stop()
+        return states
+
+    assert asyncio.run(main()) == ["none", "starting"]

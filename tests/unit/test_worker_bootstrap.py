@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchpass_common import agent_channel as ac
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -112,7 +114,9 @@ def test_a_standby_takes_the_environment_it_is_given_whole_then_runs_the_script(
     out = subprocess.run(argv, cwd=tmp_path, env={**base, "PYTHONPATH": str(ROOT), "STALE": "1"},
                          input=json.dumps(given) + "\n", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"argv": [str(script), "--lr", "1"], "who": "rank 3", "stale": None, "stdin": ""}
+    ready, _, rest = out.stdout.partition("\n")  # warm: said once torch was imported, before the script
+    assert ready + "\n" == ac.STANDBY_READY.decode()
+    assert json.loads(rest) == {"argv": [str(script), "--lr", "1"], "who": "rank 3", "stale": None, "stdin": ""}
     unused = subprocess.run(argv, cwd=tmp_path, env={**base, "PYTHONPATH": str(ROOT)}, input="",
                             capture_output=True, text=True, timeout=120)
-    assert (unused.returncode, unused.stdout) == (0, "")
+    assert (unused.returncode, unused.stdout) == (0, ac.STANDBY_READY.decode())
