@@ -140,7 +140,7 @@ def _measure(cluster: Any, work: Path, a: argparse.Namespace, fault: str,
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from bench import _torchft
 
-    cluster, work = prepare_cluster("peers")
+    cluster, work = prepare_cluster("peers", a.nodes)
     raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "faults": {}, "measured": {}}
     _say("[peers] torchft undisturbed (the baseline of its time lost)")
     raw["torchft_baseline"] = (_torchft.run(replicas=a.nodes, steps=a.torchft_steps, step_sleep=STEP_SLEEP,

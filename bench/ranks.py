@@ -56,7 +56,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    cluster, work = prepare_cluster("ranks")
+    cluster, work = prepare_cluster("ranks", a.nodes)
     raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "state_mib": a.state_mib,
                            "cpus": os.cpu_count(), "runs": {}, "same_bytes": {}}
 

@@ -13,7 +13,9 @@ streams and 0.89 at 1, the wormhole reaches 0.65-0.9 of raw; the receiver costs 
 recv_into does plus its checksum, the sender raw sendall plus its checksum reading the state from
 memory and some kernel time.
 ``--devcluster --link-gbit R`` limits the receiving node's link to R Gbit/s (``devcluster shape``)
-for the run, so both are bound by a link, as between two trays, not by this machine's CPUs."""
+for the run, so both are bound by a link, as between two trays, not by this machine's CPUs.
+Goals: link-bound, ratio >= 0.95; CPU-bound (loopback), ratio >= 0.9 x cpu_bound_ceiling. With
+``--outdir`` the result and its verdict go to wormhole-<path>.json and .md there."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from launchpad.wormhole.wire import PIECE, checksum
 ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "contrib" / "devcluster" / "devcluster"
 IO_TIMEOUT = 120.0
+GOAL_LINK_RATIO, GOAL_CEILING_SHARE = 0.95, 0.9
 
 
 def model_state(total_bytes: int, dim: int = 2048, ffn: int = 5632, vocab: int = 32000) -> dict[str, Any]:
@@ -229,6 +232,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--devcluster", action="store_true", help="sender in node n1, receiver in n2 (dev cluster up)")
     p.add_argument("--link-gbit", type=float, default=0.0,
                    help="with --devcluster: limit n2's link to this many Gbit/s for the run (default: unlimited)")
+    p.add_argument("--outdir", help="write wormhole-<path>.json and .md (result and verdict) there")
     args = p.parse_args(argv)
     if args.link_gbit and not args.devcluster:
         p.error("--link-gbit needs --devcluster (it shapes a dev cluster node's link)")
@@ -246,7 +250,44 @@ def main(argv: list[str]) -> dict[str, Any]:
     result["ratio"] = result[f"ratio_s{top}"]
     result["cpu_ratio"] = result[f"cpu_ratio_s{top}"]
     result["cpu_bound_ceiling"] = result[f"cpu_bound_ceiling_s{top}"]
+    result["streams"] = top
+    result.update(verdict(result))
+    if args.outdir:
+        out, name = Path(args.outdir), f"wormhole-{path_name(result)}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown(result))
     return result
+
+
+def path_name(res: dict[str, Any]) -> str:
+    """What bounds the measured path: ``loopback``, ``devcluster`` or ``link-<R>gbit``."""
+    if res.get("link_gbit"):
+        return f"link-{res['link_gbit']:g}gbit"
+    return "loopback" if res["endpoints"] == "loopback" else "devcluster"
+
+
+def verdict(res: dict[str, Any]) -> dict[str, Any]:
+    """The goal that applies to the measured path and whether ``ratio`` meets it: a shaped link
+    bounds both transfers (ratio >= 0.95); otherwise the CPU does, and checksumming every byte
+    caps the ratio at cpu_bound_ceiling (ratio >= 0.9 of it)."""
+    if res.get("link_gbit"):
+        need, goal = GOAL_LINK_RATIO, f"ratio >= {GOAL_LINK_RATIO} (link-bound)"
+    else:
+        need = round(GOAL_CEILING_SHARE * res["cpu_bound_ceiling"], 3)
+        goal = f"ratio >= {GOAL_CEILING_SHARE} x cpu_bound_ceiling {res['cpu_bound_ceiling']} = {need} (CPU-bound)"
+    return {"goal": goal, "goal_met": res["ratio"] >= need}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """One table row set for the result: throughputs, ratio, ceiling, goal."""
+    s = res["streams"]
+    return "\n".join([
+        f"Wormhole against raw TCP, {res['endpoints']}" + (f", link {res['link_gbit']:g} Gbit/s" if res.get("link_gbit") else "")
+        + f", {res['bytes'] / 2**30:.2f} GiB model-like state, {s} streams, median of the runs",
+        "", "| raw TCP | wormhole | ratio | cpu_bound_ceiling | goal | met |", "|---|---|---|---|---|---|",
+        f"| {res[f'raw_s{s}_gbps']} GB/s | {res[f'inplace_s{s}_gbps']} GB/s | {res['ratio']} | "
+        f"{res['cpu_bound_ceiling']} | {res['goal']} | {'yes' if res['goal_met'] else 'no'} |", ""])
 
 
 def _measure(args: argparse.Namespace, result: dict[str, Any]) -> None:

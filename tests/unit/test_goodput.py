@@ -105,14 +105,15 @@ def test_baseline_analysis_finds_the_restart_and_splits_the_loss() -> None:
 def test_recovery_summary_ratios_and_goals() -> None:
     raw = {"baseline": {"restart_overhead_s": 60.0, "time_lost_s": 70.0}, "link_gbps": 2.0,
            "modes": {"planned-aware": {"pause_s": 1.8}, "unplanned": {"not_available": "not available: x"}},
-           "sizes": {"1 GiB": {"pause_s": 2.5, "bytes": 2**30}, "4 GiB": {"not_available": "skipped: memory"}},
+           "sizes": {"1 GiB": {"pause_s": 0.9, "bytes": 2**30}, "2 GiB": {"pause_s": 1.6, "bytes": 2**31}, "4 GiB": {"not_available": "skipped: memory"}},
            "overhead": {"ratio": 1.004}, "scale": {"decision_latency_ms": 42.0, "nodes": 1152}}
     res = recovery.summarise(raw, interval_s=600.0)
     assert res["checkpoint_restart_model"]["expected_loss_s"] == 360.0
     assert res["restart_over_pause"] == {"planned-aware": 200.0, "unplanned": "not available: x"}
     assert res["restart_over_pause_measured"]["planned-aware"] == pytest.approx(38.89)
-    assert res["pause_over_floor"]["1 GiB"] == pytest.approx(2.5 / (2**30 / 2e9), abs=0.01)
-    assert raw["sizes"]["1 GiB"]["within_goal"] is True  # 2.5 <= 1.5 x 0.54 + 2
+    assert res["pause_over_floor"]["1 GiB"] == pytest.approx(0.9 / (2**30 / 2e9), abs=0.01)
+    assert raw["sizes"]["1 GiB"]["within_goal"] is True  # 0.9 <= 1.2 x 0.537 + 0.3
+    assert raw["sizes"]["2 GiB"]["within_goal"] is False  # 1.6 > 1.2 x 1.074 + 0.3
     assert res["pause_over_floor"]["4 GiB"] == "skipped: memory"
     assert (res["overhead_ratio"], res["decision_latency_ms"]) == (1.004, 42.0)
     table = recovery.markdown({**res, "raw": raw})
@@ -122,6 +123,8 @@ def test_recovery_summary_ratios_and_goals() -> None:
 def test_state_sizes_that_do_not_fit_are_skipped_with_the_reason() -> None:
     assert recovery.size_fits(256, 3, 16 * 2**30) == ""
     assert "skipped" in recovery.size_fits(4096, 3, 16 * 2**30)
+    # 2 ranks + the joiner (which receives into its own tensors) at 4 GiB: 12 GiB of 70% of 20 GiB
+    assert recovery.size_fits(4096, 2, 20 * 2**30) == ""
     assert recovery.time_lost({"pause_s": 2.0, "lost_steps": 1}, 0.25) == 2.25
     assert recovery.time_lost({"pause_s": None}, 0.25) is None
     # unplanned: from the kill: detection, then every phase up to the resume
