@@ -213,7 +213,7 @@ class DrillDaemon:
 
 
 def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, nproc: int = 1,
-           victim: int = 0) -> dict[str, Any]:
+           victim: int = 0, hot_spares: int = 0) -> dict[str, Any]:
     """One drill through torchpassctl drill's code, against a torchpassd of its own (one journal for
     all: torchpassd's spare pool still counts a spare used by an ended job's migration as taken, so
     a second drill in one daemon would wait for a spare); its report plus the hand-over's bytes."""
@@ -223,7 +223,8 @@ def _drill(cluster: Any, work: Path, mode: str, nodes: int, state_mib: int = 0, 
     if mode not in drillmod.MODES:
         return {"not_available": f"not available: this build's torchpassctl drill has no mode {mode!r} "
                                  f"(it has {', '.join(drillmod.MODES)})"}
-    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0, victim=victim)
+    settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, state_mib=state_mib, timeout=300.0, victim=victim,
+                                      hot_spares=hot_spares)
     _say(f"[recovery] drill {mode}, {nproc} rank(s) a node" +
          (f", {state_mib} MiB extra state per rank" if state_mib else ""))
     daemon = DrillDaemon(cluster, work)

@@ -21,7 +21,7 @@ from typing import Any
 from launchpad import movable
 from launchpad.channel import ChannelServer
 from launchpad.group import Outcome, WorkerGroup
-from launchpad.rendezvous import Rendezvous, joiner_membership
+from launchpad.rendezvous import Rendezvous, joiner_membership, store_listening
 from launchpad.spec import LaunchSpec
 from launchpad.watchdog import Watchdog
 from torchpass_common import agent_channel as ac
@@ -31,6 +31,8 @@ from torchpass_common.errors import TorchPassError
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _FAILURE_POLL = 0.5  # seconds between looks at the store for another node's failure
+_STORE_POLL = 1.0  # seconds between a hot spare's looks at the rendezvous store
+_STORE_GONE_MISSES = 2  # looks in a row that find it closed: the job's training is over
 
 
 class Agent:
@@ -72,7 +74,8 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self.channel.start()
-            if ac.ENV_JOIN_PLAN not in os.environ:  # a joiner's place is its join plan (joiner_membership)
+            # a joiner's place is its join plan (joiner_membership); a hot spare's, the node it is seated for
+            if ac.ENV_JOIN_PLAN not in os.environ and not self.spec.hot_spare:
                 self.rdzv = await self._store(Rendezvous, self.spec)
             if self.spec.job:
                 from launchpad.control import ControlPlane  # deferred: only with a control plane
@@ -101,7 +104,10 @@ class Agent:
             self.world_size = m.world_size
             self.group = WorkerGroup(spec, m, restarts, self.channel.path, hold_s=self._crash_hold_s(),
                                      on_held=lambda: self.beat_now(), settled=self._workers_settled)
-            await self.group.start()
+            if not self.spec.hot_spare:
+                await self.group.start()
+            elif (code := await self._stand_by()) is not None:
+                return code
             watchdog = asyncio.create_task(Watchdog(self.channel, self.group).run()) if self.group.hold_s else None
             try:
                 outcome = await self.group.supervise(self._stop, lambda: self._signal,
@@ -132,6 +138,29 @@ class Agent:
                 return self._final(outcome)
             restarts, rnd = restarts + 1, rnd + 1
             self._log.warning("agent.restart", restarts=restarts, max_restarts=spec.max_restarts)
+
+    async def _stand_by(self) -> int | None:
+        """A hot spare (``--torchpass-spares``) runs no rank of its own: it keeps a warm standby
+        until torchpassd seats a lost node's ranks here (start_joiner: None, supervise them), or the
+        job's training ends, which closes the rendezvous store (0, as a node whose workers all
+        succeeded), or launchpad is signalled."""
+        group, spec, loop = self.group, self.spec, asyncio.get_running_loop()
+        assert group is not None
+        group.standbys_wanted = spec.nproc_per_node  # one warm process for each rank of the node it may take
+        group.keep_standby()
+        self._log.info("agent.hot_spare", store=f"{spec.rdzv_host}:{spec.rdzv_port}")
+        seen, misses, deadline = False, 0, loop.time() + spec.join_timeout
+        while not group.workers:
+            if self._stop.is_set():
+                return 128 + self._signal if self._signal is not None else 0
+            up = await loop.run_in_executor(None, store_listening, spec.rdzv_host, spec.rdzv_port)
+            seen, misses = seen or up, 0 if up else misses + 1
+            if (seen and misses >= _STORE_GONE_MISSES) or (not seen and loop.time() > deadline):
+                self._log.info("agent.hot_spare_done", store_seen=seen)
+                return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(group.seated.wait(), _STORE_POLL)
+        return None
 
     def _workers_settled(self) -> bool:
         """Every worker of this round has timed a step: its start-up (interpreter, torch import,

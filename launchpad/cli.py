@@ -154,6 +154,9 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         lo, hi = specmod.parse_nnodes(str(opts["nnodes"]))
     else:
         lo = hi = slurm.nnodes or 1
+    hot = False
+    if agent_channel.ENV_JOIN_PLAN not in env:  # a joiner takes a lost node's place: never a spare
+        lo, hi, hot = specmod.split_hot_spares(slurm, lo, hi)
     backend = str(opts["rdzv_backend"])
     if backend not in ("static", "c10d"):
         raise ConfigError(f"--rdzv-backend {backend!r} is not supported", hint="use static or c10d")
@@ -162,7 +165,7 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
     node_rank = opts["node_rank"]
     if node_rank is None and backend == "static":
         node_rank = slurm.node_rank if slurm.node_rank is not None else 0
-    if node_rank is not None and not 0 <= node_rank < hi:  # type: ignore[operator]
+    if node_rank is not None and not hot and not 0 <= node_rank < hi:  # type: ignore[operator]
         raise ConfigError(f"--node-rank {node_rank} is outside 0..{hi - 1} for --nnodes {hi}")
     default_host = opts["master_addr"] or (slurm.first_host if hi > 1 else None) or specmod.DEFAULT_MASTER_ADDR
     default_port = opts["master_port"] or specmod.DEFAULT_MASTER_PORT
@@ -172,7 +175,8 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         host, port = str(default_host), int(default_port)  # type: ignore[arg-type]
     run_id = opts["rdzv_id"] or slurm.job_id or "none"
     return specmod.LaunchSpec(**common, nnodes_min=lo, nnodes_max=hi, node_rank=node_rank,  # type: ignore[arg-type]
-                              rdzv_backend=backend, rdzv_host=host, rdzv_port=port, run_id=str(run_id))
+                              rdzv_backend=backend, rdzv_host=host, rdzv_port=port, run_id=str(run_id),
+                              hot_spare=hot)
 
 
 def with_broker(config: configmod.Config, endpoint: str | None) -> configmod.Config:

@@ -254,7 +254,8 @@ class Commands:
 
     async def start_joiner(self, args: dict[str, Any], gen: int, migration: str) -> dict[str, Any]:
         """Start a worker that joins as ``rank`` (with ``joiners``, a list of {rank, source}: one per
-        entry, side by side); acked once they have connected to the channel."""
+        entry, side by side); acked once they have connected to the channel. With ``group_rank`` and
+        ``group_world_size`` (a hot spare seated for a lost node) the joiners take that node's place."""
         world = _int_arg(args, "world_size", self.agent.world_size)
         raw = args.get("joiners", [{"rank": args.get("rank"), "source": args.get("source")}])
         if not isinstance(raw, list) or not raw or not all(isinstance(j, dict) for j in raw):
@@ -264,6 +265,9 @@ class Commands:
         group = self.agent.group
         if group is None:
             raise WorkerError("no worker group to add a joiner to", node=self.agent.node)
+        if "group_rank" in args:  # a hot spare takes a lost node's place
+            group.seat(_int_arg(args, "group_rank"), _int_arg(args, "group_world_size"))
+            self.agent.world_size = world
         pids = []
         for rank, source in joiners:
             w = await group.add_joiner(rank, world, source)

@@ -100,7 +100,9 @@ class ControlPlane:
                                 "interrupted_at": lk.interrupted_at}
                                if lk and lk.interruption and state == WorkerState.INTERRUPTED else {})})
         return {"node": self.node, "seq": self._seq, "workers": workers,
-                "standby": group.standby_state if group else "none", **self.telemetry.heartbeat_part(),
+                "standby": group.standby_state if group else "none",
+                "hot_spare": bool(self.agent.spec.hot_spare and group is not None and not group.workers),
+                **self.telemetry.heartbeat_part(),
                 **self.links.heartbeat_part(), **({"path": self.agent.path} if self.agent.path else {})}
 
     async def _heartbeats(self) -> None:

@@ -90,8 +90,10 @@ class WorkerGroup:
         self.frozen: dict[int, float] = {}  # pid -> seconds it was frozen when the watchdog killed it
         self.rebuilding: set[int] = set()  # pids of joiners that took a held crashed worker's place
         self.hold = movable.restore_target()
-        self.standby: Standby | None = None  # kept while crashes are held for an in-place rebuild
+        self.standbys: list[Standby] = []  # kept while crashes are held for an in-place rebuild
+        self.standbys_wanted = 1  # a hot spare keeps one for each rank of a node it may take
         self.settled = settled  # the workers' own start-up is over (e.g. each timed a step): a standby may start
+        self.seated = asyncio.Event()  # a joiner was added (a hot spare took a lost node's ranks)
         self._standby_task: asyncio.Task[None] | None = None
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
@@ -114,33 +116,46 @@ class WorkerGroup:
         self.keep_standby()
 
     def keep_standby(self) -> None:
-        """Start a standby in the background where a crashed rank may be rebuilt here: crashes are
-        held (a model-aware job) and workers run the bootstrap (not --no-python, not movable)."""
-        if self.hold_s > 0 and not movable.movable() and not self.spec.no_python:
-            self._standby_task = asyncio.create_task(self._start_standby())
+        """Start standbys in the background (up to ``standbys_wanted``) where a crashed rank may be
+        rebuilt here: crashes are held (a model-aware job) and workers run the bootstrap (not
+        --no-python, not movable)."""
+        if self.hold_s > 0 and not movable.movable() and not self.spec.no_python and not self._standby_starting:
+            self._standby_task = asyncio.create_task(self._start_standbys())
+
+    @property
+    def _standby_starting(self) -> bool:
+        return self._standby_task is not None and not self._standby_task.done()
+
+    def seat(self, node_rank: int, nnodes: int) -> None:
+        """A hot spare takes a lost node's place (its GROUP_RANK among GROUP_WORLD_SIZE nodes): from
+        now on it keeps one standby, as a node of the job's."""
+        self.m = dataclasses.replace(self.m, node_rank=node_rank, nnodes=nnodes)
+        self.standbys_wanted = 1
 
     @property
     def standby_state(self) -> str:
         """``ready`` (a rebuild here starts warm), ``starting`` (waiting for the workers to settle,
         or importing torch) or ``none`` (this node keeps no standby)."""
-        if self.standby is not None:
+        if len(self.standbys) >= self.standbys_wanted:
             return "ready"
-        return "starting" if self._standby_task is not None and not self._standby_task.done() else "none"
+        return "starting" if self._standby_starting else "ready" if self.standbys else "none"
 
-    async def _start_standby(self) -> None:
+    async def _start_standbys(self) -> None:
         while not self.settled():  # its torch import would slow theirs (and a joiner's) on a node of few cores
             await asyncio.sleep(STANDBY_WAIT_S)
-        env = workers.worker_env(self.spec, self.m, 0, self.restarts, self.socket_path)
-        try:
-            self.standby = await Standby.start(self.spec, env)
-        except OSError as exc:  # a rebuild then starts its worker cold, as without a standby
-            self._log.warning("standby.not_started", error=str(exc))
+        while len(self.standbys) < self.standbys_wanted:  # one by one: each imports torch
+            env = workers.worker_env(self.spec, self.m, 0, self.restarts, self.socket_path)
+            try:
+                self.standbys.append(await Standby.start(self.spec, env))
+            except OSError as exc:  # a rebuild then starts its worker cold, as without a standby
+                self._log.warning("standby.not_started", error=str(exc))
+                return
 
     async def _from_standby(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker | None:
-        """Worker ``rank`` made of the standby (and a new standby started), or None without one."""
-        standby, self.standby = self.standby, None
-        if standby is None:
+        """Worker ``rank`` made of a standby (and a new standby started), or None without one."""
+        if not self.standbys:
             return None
+        standby = self.standbys.pop(0)
         w = await standby.become(self.router, rank, local_rank, env)
         if w is None:
             await standby.stop()
@@ -159,10 +174,10 @@ class WorkerGroup:
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
         env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
             agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
-        if crashed is None:
-            return await self._add(rank, local_rank, env)
         w = await self._from_standby(rank, local_rank, env) or await self._add(rank, local_rank, env)
-        self.rebuilding.add(w.pid)
+        self.seated.set()
+        if crashed is not None:
+            self.rebuilding.add(w.pid)
         return w
 
     async def _add(self, rank: int, local_rank: int, env: dict[str, str]) -> workers.Worker:
@@ -274,7 +289,6 @@ class WorkerGroup:
         if self._standby_task is not None:
             self._standby_task.cancel()
             await asyncio.gather(self._standby_task, return_exceptions=True)
-        if self.standby is not None:
-            await self.standby.stop()
-            self.standby = None
+        standbys, self.standbys = self.standbys, []
+        await asyncio.gather(*(s.stop() for s in standbys))
         await asyncio.gather(*(w.stop(sig, self.spec.grace_period) for w in self.workers.values()))

@@ -57,6 +57,16 @@ def _is_local_address(host: str) -> bool:
     return False
 
 
+def store_listening(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether the rendezvous store at ``host:port`` accepts connections (a hot spare's sign that
+    the job still trains: the store's host closes it once every node is done)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def joiner_membership(spec: LaunchSpec) -> Membership:
     """The place of a launchpad that joins a running job (a spare, started by torchpassd): fixed by
     its join plan, not agreed in a round. One node of its own (the plan gives its ranks, world size

@@ -47,6 +47,7 @@ class LaunchSpec:
     grace_period: float = 15.0
     job: str | None = None
     node: str | None = None
+    hot_spare: bool = False  # --torchpass-spares: this node holds a warm standby instead of ranks
 
     @property
     def elastic(self) -> bool:
@@ -122,6 +123,7 @@ def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
 
 
 MODE_ENV = "TORCHPASS"  # the job's --torchpass mode, set by the SPANK plugin in every task
+SPARES_ENV = "TORCHPASS_SPARES"  # the job's --torchpass-spares=N, set by the SPANK plugin with the mode
 
 
 def torchpass_job(env: Mapping[str, str]) -> str | None:
@@ -147,6 +149,7 @@ class SlurmHints:
     nnodes: int | None
     first_host: str | None
     job_id: str | None
+    spares: int = 0  # --torchpass-spares=N: the step's last N nodes are hot spares
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SlurmHints:
@@ -159,4 +162,25 @@ class SlurmHints:
             nnodes=int(nnodes) if one_per_node else None,
             first_host=first_slurm_host(nodelist) if nodelist else None,
             job_id=env.get("SLURM_JOB_ID"),
+            spares=_spares(env),
         )
+
+
+def _spares(env: Mapping[str, str]) -> int:
+    """--torchpass-spares=N of a TorchPass job (0 elsewhere, or when the value is not a count)."""
+    raw = env.get(SPARES_ENV, "0") if env.get(MODE_ENV) else "0"
+    return int(raw) if raw.isdigit() else 0
+
+
+def split_hot_spares(slurm: SlurmHints, lo: int, hi: int) -> tuple[int, int, bool]:
+    """``--torchpass-spares=N``: the step's last N nodes (by SLURM_NODEID) hold a warm standby
+    instead of ranks, for torchpassd to rebuild a lost node's ranks on at once. Returns the training
+    nodes' --nnodes (MIN, MAX) and whether this node is a hot spare. An --nnodes that counts every
+    node of the step (``--nnodes $SLURM_NNODES``) counts the spares too: they are taken off it.
+    Nothing changes without one task a node, or when the spares would leave no node to train."""
+    if not slurm.spares or slurm.nnodes is None or slurm.node_rank is None or slurm.spares >= slurm.nnodes:
+        return lo, hi, False
+    train = slurm.nnodes - slurm.spares
+    if hi == slurm.nnodes:
+        lo, hi = min(lo, train), train
+    return lo, hi, slurm.node_rank >= train

@@ -11,7 +11,7 @@ import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from slurm_plugin import hostlist
@@ -276,10 +276,3 @@ class JobResizer:
         if err.startswith("/") and err != out:
             opts.append(f"--error={err}")
         return opts
-
-    def hot_spares(self, job_id: int, busy: Iterable[str]) -> list[str]:
-        """Healthy nodes of the job's own allocation that run no ranks (``--torchpass-spares=N``)."""
-        job = self._job(job_id)
-        nodes = self.client.nodes()
-        taken = set(busy)
-        return [n for n in job.nodes if n not in taken and n in nodes and nodes[n].healthy]

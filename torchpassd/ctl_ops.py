@@ -60,6 +60,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                    + (f"  BLOCKED: {job['blocked']}" if job["blocked"] else ""))
         for node, lp in job["launchpads"].items():
             ranks = ", ".join(f"rank {w['rank']} step {w['step']} {w['state']}" for w in lp["workers"])
+            ranks = ranks or ("hot spare (no rank; takes a lost node's)" if lp.get("hot_spare") else "")
             click.echo(f"  {node:<10} {'online' if lp['online'] else 'offline':<8} gen {lp['gen']:<3} "
                        f"hb {lp['heartbeat_age']}s  {ranks}" + (f"  standby {lp['standby']}" if lp.get("standby") else ""))
     for p in st["pending"]:
@@ -117,10 +118,12 @@ def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> N
 @click.option("--timeout", default=drillmod.DrillSettings.timeout, show_default=True, help="Seconds per wait.")
 @click.option("--victim", default=0, show_default=True,
               help="Which node fails: the job's Nth node besides its batch host (1-based); 0: the last.")
+@click.option("--hot-spares", default=0, show_default=True,
+              help="Submit with --torchpass-spares=N: N more nodes, warm, in the job's own allocation.")
 @_json_option
 @click.pass_context
 def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, step_sleep: float, timeout: float,
-          victim: int, as_json: bool) -> None:
+          victim: int, hot_spares: int, as_json: bool) -> None:
     """Validate the installation: run the example job, make one of its nodes fail, and check the
     job went on with nothing lost, bit-identical to a run without a failure, and ended COMPLETED.
 
@@ -132,7 +135,7 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, ste
     unplanned-cut        cut a node's network instead of killing it"""
     cfg = _config(ctx)
     settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, steps=steps, step_sleep=step_sleep, timeout=timeout,
-                                      victim=victim)
+                                      victim=victim, hot_spares=hot_spares)
     try:
         rep = drillmod.run(cfg, mode, settings, say=(lambda _: None) if as_json else click.echo)
     except TorchPassError as exc:

@@ -46,6 +46,7 @@ class DrillSettings:
     timeout: float = 600.0
     state_mib: int = 0  # extra state per rank carried by save/load (bench recovery: pause vs state size)
     victim: int = 0  # which node fails: the job's Nth node that is not the batch host (1-based); 0: the last
+    hot_spares: int = 0  # --torchpass-spares=N: the allocation holds N more nodes, which run no rank
 
 
 class Drill:
@@ -131,10 +132,11 @@ class Drill:
             nproc=s.nproc, nodes=s.nodes, port=s.rdzv_port, example=self.script,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
             log=workdir / "train.log"))
-        out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", f"-N{s.nodes}",
+        hot = [f"--torchpass-spares={s.hot_spares}"] if s.hot_spares else []
+        out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", *hot, f"-N{s.nodes + s.hot_spares}",
                                "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))
         self.report.job_id = out.strip().split(";")[0]
-        self._note(f"submitted job {self.report.job_id} ({s.nodes} nodes, {s.steps} steps)")
+        self._note(f"submitted job {self.report.job_id} ({s.nodes} nodes, {s.hot_spares} hot spares, {s.steps} steps)")
 
     def _job(self) -> dict[str, Any] | None:
         jobs = {j["job"]: j for j in self.daemon.call("jobs")}
@@ -148,7 +150,7 @@ class Drill:
                 raise MigrationError(f"the drill job ended {slurm_job.state} before training ran",
                                      job=self.report.job_id, hint=f"see {self.report.workdir}")
             job = self._job()
-            if not job or len(job["launchpads"]) < self.s.nodes:
+            if not job or len(job["launchpads"]) < self.s.nodes + self.s.hot_spares:
                 return None
             workers = [w for lp in job["launchpads"].values() for w in lp["workers"]]
             warming = any(lp.get("standby") == "starting" for lp in job["launchpads"].values())
@@ -157,7 +159,7 @@ class Drill:
         # steady state: every rank trains and every node's standby is warm (the fault of a job
         # that runs for hours strikes then, not in its first seconds)
         job = self._wait("every rank to train and every node's standby to be warm", ready)
-        others = [n for n in job["nodes"] if n != job["batch_host"]]
+        others = [n for n in job["nodes"] if n != job["batch_host"] and not job["launchpads"].get(n, {}).get("hot_spare")]
         if self.s.victim > len(others):
             raise MigrationError(f"--victim {self.s.victim}: the job has {len(others)} nodes besides its batch host",
                                  job=self.report.job_id, hint=f"pick 1..{len(others)}")

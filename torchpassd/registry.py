@@ -31,6 +31,7 @@ class Launchpad:
     links: dict[str, Any] = field(default_factory=dict)  # its network links, as last reported
     path: str = ""  # the network interface its workers' collectives take ("" not reported)
     standby: str = ""  # its warm standby: ready, starting or none ("" not reported)
+    hot_spare: bool = False  # a node of the job's allocation that runs no rank: it waits to take a lost node's
     # Step rate estimate: (monotonic time, max step) of the previous heartbeat.
     _prev: tuple[float, int] | None = None
     steps_per_s: float = 0.0
@@ -73,6 +74,13 @@ class JobView:
         lp = self.launchpads.get(node)
         return sorted(w["rank"] for w in lp.workers) if lp else []
 
+    def hot_spares(self) -> list[str]:
+        """Nodes of the job's allocation whose launchpad, online, runs no rank and waits to take a
+        lost node's (``--torchpass-spares``); warm ones (standby ready) first."""
+        spares = [lp for n, lp in self.launchpads.items()
+                  if lp.online and lp.hot_spare and not lp.workers and (not self.nodes or n in self.nodes)]
+        return [lp.node for lp in sorted(spares, key=lambda lp: (lp.standby != "ready", lp.node))]
+
     def without_replica(self) -> list[int]:
         """Ranks whose state no other rank holds (pure FSDP, tensor parallel): a node death loses them."""
         return sorted(r for r, holders in self.replicas.items() if holders == [r])
@@ -96,7 +104,7 @@ class JobView:
                                    "heartbeat_age": None if lp.last_heartbeat is None
                                    else round(lp.heartbeat_age(now) or 0.0, 3),
                                    "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links, "path": lp.path,
-                                   "standby": lp.standby}
+                                   "standby": lp.standby, "hot_spare": lp.hot_spare}
                                for n, lp in sorted(self.launchpads.items())}}
 
 
@@ -153,6 +161,7 @@ class Registry:
                 lp.path = msg.body["path"]
             if msg.body.get("standby") in STANDBY_STATES:
                 lp.standby = msg.body["standby"]
+            lp.hot_spare = msg.body.get("hot_spare") is True
             view = self.job(msg.job)
             for w in lp.workers:
                 if "replicas" in w:

