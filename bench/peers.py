@@ -6,7 +6,7 @@ killed on a healthy node (an OOM kill, a segfault) and a whole node killed, each
   Slurm's requeue for the node, both reloading the last checkpoint and recomputing;
 - torchft 0.2 (bench/_torchft.py): its Lighthouse, one replica group a node; the killed replica is
   started again (at once for the worker; for the node, as late as TorchPass's own replacement was
-  ready in the same run: a spare takes the same time to start for both) and heals from a live peer
+  ready in the same run: a spare, hot or not, takes the same time to start for both) and heals from a live peer
   while the others train on at reduced strength.
 The same model (torchpassd/drill_jobs/ddp_train.py's) and the same number of nodes for all three.
 Reported per fault and peer: time lost, steps trained at reduced strength, bit-identity to an
@@ -100,7 +100,10 @@ def markdown(res: dict[str, Any]) -> str:
             identical = r["bit_identical"] if r["bit_identical"] is not None else r.get("note", "not measured")
             rows.append(f"| {fault} | {system} | {r['time_lost_s']} | {r['reduced_strength_steps']} | {identical} "
                         f"| {over} |")
-    return ("TorchPass against its peers, one run, the same model and nodes\n\n" + "\n".join(rows) + "\n\n"
+    hot = res.get("raw", {}).get("hot_spares") or 0
+    where = (f"the job's hot spare (--torchpass-spares={hot})" if hot else "a spare from the pool")
+    return ("TorchPass against its peers, one run, the same model and nodes; TorchPass rebuilds a killed "
+            f"node's ranks on {where}, a killed worker's in place\n\n" + "\n".join(rows) + "\n\n"
             f"TorchPass loses least on every fault: {res['torchpass_loses_least']}; only TorchPass stays "
             f"bit-identical: {res['only_torchpass_bit_identical']}\n")
 
@@ -123,7 +126,8 @@ def _measure(cluster: Any, work: Path, a: argparse.Namespace, fault: str,
     drill_mode, restart_fault, ft_fault = FAULTS[fault]
     measured: dict[str, Any] = {}
     (work / fault).mkdir(mode=0o755)
-    measured["torchpass"] = _drill(cluster, work / fault, drill_mode, a.nodes)
+    hot = a.hot_spares if drill_mode == "unplanned" else 0  # a crashed worker is rebuilt in place
+    measured["torchpass"] = _drill(cluster, work / fault, drill_mode, a.nodes, hot_spares=hot)
     _part(measured, "checkpoint_restart", f"checkpoint restart, {fault}", lambda: _restart.run(
         cluster, work / fault / "restart", nodes=a.nodes, every=a.checkpoint_every, say=_say, fault=restart_fault))
     cluster.reset()
@@ -140,8 +144,9 @@ def _measure(cluster: Any, work: Path, a: argparse.Namespace, fault: str,
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from bench import _torchft
 
-    cluster, work = prepare_cluster("peers", a.nodes)
-    raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "faults": {}, "measured": {}}
+    cluster, work = prepare_cluster("peers", a.nodes + a.hot_spares)
+    raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "hot_spares": a.hot_spares, "faults": {},
+                           "measured": {}}
     _say("[peers] torchft undisturbed (the baseline of its time lost)")
     raw["torchft_baseline"] = (_torchft.run(replicas=a.nodes, steps=a.torchft_steps, step_sleep=STEP_SLEEP,
                                             workdir=str(work / "torchft-baseline"))
@@ -159,6 +164,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench peers")
     p.add_argument("--nodes", type=int, default=3, help="nodes (torchft: replica groups) of the job (default 3)")
     p.add_argument("--faults", default=",".join(FAULTS), help="faults to inflict, comma-separated")
+    p.add_argument("--hot-spares", type=int, default=1,
+                   help="node kill: TorchPass's job keeps this many hot spares (--torchpass-spares; 0: the pool's "
+                        "spare); torchft's replacement replica starts as late as TorchPass's was ready either way")
     p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint-restart's interval in steps")
     p.add_argument("--torchft-steps", type=int, default=150, help="steps of each torchft run")
     p.add_argument("--replace-delay-s", type=float, default=10.0,

@@ -130,11 +130,13 @@ def markdown(res: dict[str, Any]) -> str:
     rows.append(f"| decision_latency_ms at {res['raw'].get('scale', {}).get('nodes', '?')} nodes | "
                 f"{_fmt(res['decision_latency_ms'])} | < 100 |")
     timeout = res["raw"].get("collective_timeout_s")
+    hot = res["raw"].get("positions_hot_spares", 0)
+    taker = f"the job's hot spare (--torchpass-spares={hot})" if hot else "a spare from the pool"
     for v, pos in res.get("unplanned_by_position", {}).items():
         value = (f"{_fmt(pos['time_lost_s'])} s (detected in {_fmt(pos['detect_s'])} s; collective timeout "
                  f"{_fmt(timeout)} s)" if pos["time_lost_s"] is not None else str(pos["note"]))
-        rows.append(f"| unplanned time lost, node {v} of the job killed | {value} | <= {GOAL_UNPLANNED_S:g} s + "
-                    "transfer floor |")
+        rows.append(f"| unplanned time lost, node {v} of the job killed, {taker} takes its ranks | {value} | "
+                    f"<= {GOAL_UNPLANNED_S:g} s + transfer floor |")
     return "\n".join(rows) + "\n"
 
 
@@ -285,9 +287,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from torchpass_common.config import WormholeConfig
 
     parts = set(a.parts.split(","))
-    cluster, work = prepare_cluster("recovery", a.nodes)
+    cluster, work = prepare_cluster("recovery", a.nodes + a.hot_spares)
     raw: dict[str, Any] = json.loads(Path(a.keep).read_text())["raw"] if a.keep else {}
     raw.update({"devcluster": cluster.id, "nodes": a.nodes, "size_nodes": a.size_nodes})
+    if "positions" in parts:
+        raw["positions_hot_spares"] = a.hot_spares
     streams = WormholeConfig().streams
     if "wormhole" in parts:
         _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", lambda: wormhole.main(
@@ -302,7 +306,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "positions" in parts:  # unplanned, each node but the batch host killed in turn: far from the ring's break too
         from torchpass_common import config
         raw["collective_timeout_s"] = config.load(cluster.info["torchpass_config"]).timeouts.collective
-        raw["positions"] = {str(v): _drill(cluster, work, "unplanned", a.nodes, victim=v) for v in range(1, a.nodes)}
+        raw["positions"] = {str(v): _drill(cluster, work, "unplanned", a.nodes, victim=v, hot_spares=a.hot_spares)
+                            for v in range(1, a.nodes)}
     if "sizes" in parts:
         raw["sizes"] = {}
         aware = raw.get("modes", {}).get("planned-aware", {})
@@ -328,6 +333,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--parts", default=",".join(PARTS),
                    help="what to measure (default all: " + ", ".join(PARTS) + "; positions: unplanned time lost "
                         "for every victim position, each node but the batch host)")
+    p.add_argument("--hot-spares", type=int, default=1,
+                   help="positions: the job's hot spares (--torchpass-spares; 0: the pool's spare takes the ranks)")
     p.add_argument("--keep", help="a recovery.json whose parts not measured now are kept (e.g. --parts positions)")
     p.add_argument("--sizes-mib", default="256,1024,2048,4096",
                    help="extra state per rank for pause vs size (MiB; a size that does not fit in memory is skipped)")

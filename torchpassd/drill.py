@@ -29,7 +29,8 @@ MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplann
 POLL = 0.5
 
 _JOB_SCRIPT = """#!/bin/bash
-# TorchPass drill: the example DDP job as a user writes it, rendezvous on the batch host.
+# TorchPass drill: the example DDP job as a user writes it, rendezvous on the batch host
+# (with --torchpass-spares, --nnodes $SLURM_NNODES counts the hot spares too: they are taken off it).
 srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:{port} \\
     {example} {args} --log {log}
 """
@@ -129,7 +130,7 @@ class Drill:
         s = self.s
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
-            nproc=s.nproc, nodes=s.nodes, port=s.rdzv_port, example=self.script,
+            nproc=s.nproc, nodes="$SLURM_NNODES" if s.hot_spares else s.nodes, port=s.rdzv_port, example=self.script,
             args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
             log=workdir / "train.log"))
         hot = [f"--torchpass-spares={s.hot_spares}"] if s.hot_spares else []

@@ -14,7 +14,7 @@ import math
 import secrets
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ class Plan:
     gen_after: int = 0  # the job's generation once the migration ended (0: unchanged)
     path: str = ""  # a reroute (reroute.py): the interface the job's collectives move to
     path_before: str = ""  # a reroute: the one they took before
+    hot: list[str] = field(default_factory=list)  # hot spares of the job's allocation taking ranks (--torchpass-spares)
 
     @property
     def new_gen(self) -> int:
@@ -241,6 +242,29 @@ class Flow:
         nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
         return target, nodes[target].addr or target
 
+    async def _hot_spare(self, exclude: Collection[str] = ()) -> tuple[str, str] | None:
+        """A hot spare of the job's own allocation (``--torchpass-spares``): its launchpad runs no
+        rank and holds a warm standby a rank; healthy in Slurm, not in ``exclude``, warm ones first.
+        Its name and address, or None."""
+        candidates = [n for n in self.view().hot_spares() if n not in exclude]
+        if not candidates:
+            return None
+        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
+        node = next((n for n in candidates if n in nodes and nodes[n].healthy), None)
+        return None if node is None else (node, nodes[node].addr or node)
+
+    async def _start_joiners_on(self, node: str, addr: str, ranks: list[int], **place: int) -> None:
+        """Have the launchpad running on ``node`` (a crash's own node, or a hot spare taking the place
+        ``place`` says: group_rank, group_world_size) start a joiner for each of ``ranks``; returns
+        once each listens for its state."""
+        p = self.plan
+        p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
+        ports = [joiner_port(p.port, i) for i in range(len(ranks))]
+        await self.send(node, "start_joiner", p.gen, {"world_size": p.world_size, **place, "joiners": [
+            {"rank": rank, "source": TransferAddress("0.0.0.0", port, self.token).wire()}
+            for rank, port in zip(ranks, ports, strict=True)]}, timeout=self.t.reform)
+        await self._wait_receiver(None, node, addr, ports, "")
+
     async def _add_spare_to_job(self, target: str) -> None:
         """Grow the job by the spare taken for it; from then on Slurm's state guards the node."""
         await asyncio.to_thread(self.d.resizer.add_node, int(self.plan.job), target)
@@ -353,8 +377,13 @@ class Flow:
 
     async def _drop_target(self, target: str) -> list[str]:
         """Stop the joiner on ``target`` and its launchpad, take the spare out of the job, back
-        to the pool; returns what went wrong on the way."""
+        to the pool; returns what went wrong on the way. A hot spare stays in the job (its
+        launchpad is a task of the user's step): only the joiners this migration started stop."""
         p = self.plan
+        if target in p.hot:
+            results = await asyncio.gather(self.send(target, "abort", p.gen, timeout=self.t.reform),
+                                           return_exceptions=True)
+            return [f"{target}: {r}" for r in results if isinstance(r, BaseException)]
         problems: list[str] = []
         proc = self.d.steps.pop(self._step_key(target), None)
         if proc is not None and proc.poll() is None:
@@ -401,14 +430,21 @@ class PlannedMigration(Flow):
             raise MigrationError(f"{p.source} runs no rank of the job", hint="nothing to move", **self.where)
         p.rank = p.ranks[0]
         p.survivors = self._others_training()
-        p.target, p.target_addr = await self._take_spare()
+        hot = await self._hot_spare()
+        p.target, p.target_addr = hot or await self._take_spare()
+        p.hot = [p.target] if hot else []
         p.port = WORMHOLE_PORT_BASE + p.new_gen
-        await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3))
-        await self._add_spare_to_job(p.target)
-        await self.phase(SPARE_ADDED)
+        await self.phase(SPARE_CHOSEN, detect_s=round(time.time() - self.detected_at, 3), hot=bool(hot))
+        if not hot:
+            await self._add_spare_to_job(p.target)
+            await self.phase(SPARE_ADDED)
         tpl = await self._template(p.source, p.rank)
         self._adopt_template(tpl)
-        await self._start_joiner(tpl, p.ranks, p.target, p.target_addr)
+        if hot:  # its launchpad runs: the joiners take the leaving node's place there, warm
+            await self._start_joiners_on(p.target, p.target_addr, p.ranks, group_rank=int(tpl.env.get("GROUP_RANK", 0)),
+                                         group_world_size=int(tpl.env.get("GROUP_WORLD_SIZE", 1)))
+        else:
+            await self._start_joiner(tpl, p.ranks, p.target, p.target_addr)
         await self.phase(JOINER_READY)
 
     def _pause_step(self) -> int:

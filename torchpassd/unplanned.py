@@ -322,12 +322,12 @@ class UnplannedRecovery(Flow):
         spare taken from the pool, no resize, no job step). False when the job has none free and
         healthy, or its joiners could not start there (stopped; the pool's spares are tried next)."""
         p = self.plan
-        nodes = await asyncio.to_thread(self.d.resizer.client.nodes)
-        taken = {*p.dead, *p.targets, *self._hot_tried}
-        node = next((n for n in self.view().hot_spares() if n not in taken and n in nodes and nodes[n].healthy), "")
-        if not node:
+        hot = await self._hot_spare({*p.dead, *p.targets, *self._hot_tried})
+        if hot is None:
             return False
-        seat.update(target=node, target_addr=nodes[node].addr or node, hot=True)
+        node = hot[0]
+        seat.update(target=node, target_addr=hot[1])
+        p.hot.append(node)
         if not p.target:
             p.target, p.rank, p.target_addr = node, seat["rank"], seat["target_addr"]
         await self.phase(SPARE_CHOSEN, dead=death.node, ranks=seat["ranks"], spare=node, hot=True)
@@ -339,31 +339,14 @@ class UnplannedRecovery(Flow):
             self.log.warning("unplanned.hot_spare_failed", spare=node, error=str(exc))
             self._hot_tried.add(node)
             await self._abort_on([node], {})
-            for key in ("target", "target_addr", "hot"):
+            p.hot.remove(node)
+            for key in ("target", "target_addr"):
                 seat.pop(key)
             if p.target == node:
                 p.target = p.target_addr = ""
             return False
         await self.phase(JOINER_READY, spare=node, hot=True)
         return True
-
-    async def _start_joiners_on(self, node: str, addr: str, ranks: list[int], **place: int) -> None:
-        """Have the launchpad running on ``node`` (a crash's own node, or a hot spare taking the place
-        ``place`` says) start a joiner for each of ``ranks``; returns once each listens for its state."""
-        p = self.plan
-        p.port = p.port or WORMHOLE_PORT_BASE + p.new_gen
-        ports = [joiner_port(p.port, i) for i in range(len(ranks))]
-        await self.send(node, "start_joiner", p.gen, {"world_size": p.world_size, **place, "joiners": [
-            {"rank": rank, "source": TransferAddress("0.0.0.0", port, self.token).wire()}
-            for rank, port in zip(ranks, ports, strict=True)]}, timeout=self.t.reform)
-        await self._wait_receiver(None, node, addr, ports, "")
-
-    async def _drop_target(self, target: str) -> list[str]:
-        """A hot spare stays in the job (its launchpad is a task of the user's step): only the
-        joiners this recovery started there are stopped."""
-        if any(s.get("hot") and s.get("target") == target for s in self.plan.seats):
-            return await self._abort_on([target], {})
-        return await super()._drop_target(target)
 
     async def _seat_on_a_spare(self, seat: dict[str, Any], death: Death) -> None:
         """Take a spare for ``seat`` and grow the job by it."""

@@ -39,10 +39,10 @@ def _drill(tp_config: Path, mode: str, *shape: str) -> dict:
     return report
 
 
-def _assert_drill_ok(report: dict, fault: str) -> None:
+def _assert_drill_ok(report: dict, fault: str, spares: tuple[str, ...] = ("n5",)) -> None:
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
     assert report["job_state"] == "COMPLETED", report
-    assert report["fault"] == fault and report["migrated_to"] == "n5", report
+    assert report["fault"] == fault and report["migrated_to"] in spares, report
     assert report["migrated_from"] not in ("n1", "n5")  # never the batch host
     assert report["resumed_at_step"] == report["expected_step"] > 0, report
     assert report["step_at_kill"] <= report["expected_step"] <= report["step_at_kill"] + 1, report
@@ -50,12 +50,17 @@ def _assert_drill_ok(report: dict, fault: str) -> None:
     assert phases[-1] == "released" and "recovered" in phases, phases
 
 
-def test_drill_unplanned_kill_of_a_two_rank_node(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path) -> None:
-    """Configured as `make demo` configures torchpassd (slurm_conf: a client file including the
-    cluster's), the drill still knows the dev cluster by asking slurmctld and kills one node only."""
+def test_drill_unplanned_kill_of_a_two_rank_node_rebuilt_on_the_jobs_hot_spare(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path) -> None:
+    """``sbatch -N4 --torchpass-spares=2`` of ``srun torchrun --nnodes $SLURM_NNODES``: two nodes
+    train, the last two hold warm standbys; the killed node's ranks are rebuilt on one of those (no
+    spare from the pool, no resize), the other ends with the job, which ends COMPLETED. Configured
+    as `make demo` configures torchpassd (slurm_conf: a client file including the cluster's), the
+    drill still knows the dev cluster by asking slurmctld and kills one node only."""
     slurmds = {n["name"]: n["slurmd_pid"] for n in devcluster.info["nodes"]}
-    report = _drill(tp_config, "unplanned", "--nodes", "3", "--nproc-per-node", "2")
-    _assert_drill_ok(report, "kill")
+    report = _drill(tp_config, "unplanned", "--nodes", "2", "--nproc-per-node", "2", "--hot-spares", "2")
+    _assert_drill_ok(report, "kill", spares=("n3", "n4"))
+    assert "spare_added" not in [p["phase"] for p in report["timeline"]], report  # the job was not resized
     others = {node: pid for node, pid in slurmds.items() if node != report["migrated_from"]}
     assert len(others) == len(slurmds) - 1 and all(Path(f"/proc/{pid}").exists() for pid in others.values()), slurmds
     assert len(report["moved_ranks"]) == 2, report

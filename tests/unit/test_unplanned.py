@@ -30,7 +30,8 @@ from torchpassd.registry import Registry
 from torchpassd.unplanned import MODE, UnplannedPlan, UnplannedRecovery, choose_donor
 
 PROC_TEXT = ("/venv/bin/python\n-u\n-m\ntorchpass._bootstrap\ntrain.py\n\n===\n"
-             "RANK=0\nWORLD_SIZE=4\nMASTER_ADDR=n1\nMASTER_PORT=29500\n\n===\n/home/u/run\n")
+             "RANK=1\nWORLD_SIZE=4\nGROUP_RANK=1\nGROUP_WORLD_SIZE=4\nMASTER_ADDR=n1\nMASTER_PORT=29500\n\n===\n"
+             "/home/u/run\n")
 
 
 def test_donor_is_the_most_advanced_survivor_and_laggards_load_its_state() -> None:
@@ -824,11 +825,15 @@ def _hot_spare_world(tmp_path: Path, fail_on: str = "") -> World:
     return w
 
 
-async def _with_hot_spare(w: World) -> str:
+async def _add_hot_spare(w: World) -> None:
     await w.setup()
     await w.registry.update_job("7", nodes=("n1", "n2", "n3", "n4", "n6"), user="u", batch_host="n1")
     body = {"node": "n6", "seq": 1, "workers": [], "standby": "ready", "hot_spare": True}
     await w.registry.on_message("n6", protocol.decode(protocol.encode(protocol.HEARTBEAT, job="7", gen=1, body=body)))
+
+
+async def _with_hot_spare(w: World) -> str:
+    await _add_hot_spare(w)
     rec = w.recovery()
     interrupt = asyncio.create_task(w.interrupt())
     status = await rec.run([_death("n3", 2)])
@@ -863,4 +868,31 @@ def test_a_hot_spare_that_cannot_start_the_joiner_gives_way_to_the_pools_spare(t
     assert status == jn.SUCCEEDED, w.journal.history()[0].error
     assert [n for n, c, _, _ in w.commander.sent if c == "abort"] == ["n6"]  # its joiners stopped; it stays
     assert w.slurm.added == ["n5"] and w.journal.history()[0].target == "n5" and not w.slurm.released
+    w.close()
+
+
+def test_a_planned_move_seats_the_leaving_ranks_on_the_jobs_hot_spare_and_letting_go_keeps_it_in_the_job(
+        tmp_path: Path) -> None:
+    """A drain of a job with a hot spare: the leaving node's ranks get joiners on the hot spare's
+    running launchpad in the leaving node's place (no spare from the pool, no resize, no step);
+    a migration that lets the target go stops only those joiners, the node stays in the job."""
+    from torchpassd.planned import Plan, PlannedMigration
+
+    w = _hot_spare_world(tmp_path)
+
+    async def go() -> PlannedMigration:
+        await _add_hot_spare(w)
+        mid = w.journal.start_migration("7", mode="planned-aware", source="n2", reason="drain", gen=w.gen)
+        mig = PlannedMigration(w.deps, Plan(job="7", source="n2", gen=w.gen), mid, detected_at=time.time())
+        await mig._prepare()
+        assert await mig._drop_target(mig.plan.target) == []
+        return mig
+    mig = asyncio.run(go())
+    assert (mig.plan.target, mig.plan.hot, mig.plan.ranks) == ("n6", ["n6"], [1])
+    [(node, joiner)] = [(n, a) for n, c, _, a in w.commander.sent if c == "start_joiner"]
+    assert node == "n6" and joiner["group_rank"] == 1 and joiner["group_world_size"] == 4
+    assert [j["rank"] for j in joiner["joiners"]] == [1] and joiner["world_size"] == 4
+    assert [p.phase for p in w.journal.history()[0].phases] == ["requested", "spare_chosen", "joiner_ready"]
+    assert [n for n, c, _, _ in w.commander.sent if c == "abort"] == ["n6"]
+    assert not w.slurm.added and not w.slurm.released and w.slurm.free == ["n5"]  # the pool's spare untouched
     w.close()
