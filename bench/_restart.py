@@ -135,9 +135,13 @@ def run(cluster: DevCluster, workdir: Path, *, nodes: int = 3, steps: int = 2000
         except JobEnded as exc:  # a measured outcome: the job did not come back by itself
             say(f"[baseline] job {job} ended {exc.state} instead of coming back: {exc}")
             result = {"job_ended": exc.state, "time_lost_s": None}
+        except TorchPassError as exc:  # also measured: it lost at least this long (restarts failing, say)
+            result = {"not_back_within_s": round(time.time() - killed_at, 1), "time_lost_s": None}
+            say(f"[baseline] job {job} not back at the failed step {result['not_back_within_s']} s after the "
+                f"fault; stopped waiting: {exc}")
     finally:
         cluster.run("scancel", job, check=False)
-    if "job_ended" not in result:
+    if result.get("time_lost_s") is not None:
         say(f"[baseline] lost {result['time_lost_s']} s: restart {result['restart_overhead_s']} s + "
             f"recompute {result['recompute_s']} s ({result['lost_steps']} steps)")
     return {**result, "nodes": nodes, "checkpoint_every_steps": every,

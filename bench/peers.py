@@ -48,6 +48,10 @@ def restart_row(res: dict[str, Any]) -> dict[str, Any]:
     if res.get("job_ended"):
         return {"time_lost_s": None, "job_ended": res["job_ended"], "reduced_strength_steps": 0, "bit_identical": None,
                 "note": f"the job ended {res['job_ended']} and did not come back: lost until it is resubmitted"}
+    if res.get("not_back_within_s") is not None:  # a lower bound: more than this was lost
+        return {"time_lost_s": None, "lost_more_than_s": res["not_back_within_s"], "reduced_strength_steps": 0,
+                "bit_identical": None, "note": f"not back at the failed step {res['not_back_within_s']:.0f} s after "
+                                               "the fault (the benchmark stopped waiting): lost more than that"}
     if res.get("time_lost_s") is None:
         return {"error": res.get("error") or "no time lost measured"}
     return {"time_lost_s": res["time_lost_s"], "reduced_strength_steps": 0, "bit_identical": None,
@@ -72,9 +76,13 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         tp = rows.get("torchpass", {})
         over = {p: _round(ratio(rows.get(p, {}).get("time_lost_s"), tp.get("time_lost_s")), 3) for p in PEERS}
         out["faults"][fault] = {**rows, "peer_over_torchpass": over}
-        # a peer whose job ended unrecovered lost more than any finite time
-        lost_more = [rows[p].get("job_ended") is not None or (over[p] is not None and over[p] > 1) for p in PEERS]
-        unknown = any(over[p] is None and rows.get(p, {}).get("job_ended") is None for p in PEERS)
+        # a peer whose job ended unrecovered lost more than any finite time; one not back when the
+        # benchmark stopped waiting lost more than that wait
+        bound = {p: _lower_bound(rows.get(p, {})) for p in PEERS}
+        lost_more = [(over[p] is not None and over[p] > 1) or
+                     (bound[p] is not None and tp.get("time_lost_s") is not None and bound[p] > tp["time_lost_s"])
+                     for p in PEERS]
+        unknown = any(over[p] is None and bound[p] is None for p in PEERS)
         least.append(None if unknown or tp.get("time_lost_s") is None else all(lost_more))
         peers_identical = [rows.get(p, {}).get("bit_identical") for p in PEERS]
         only_identical.append(None if tp.get("bit_identical") is None
@@ -84,13 +92,21 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _lower_bound(row: dict[str, Any]) -> float | None:
+    """What a peer's row proves it lost at least, when it has no time lost: forever (its job
+    ended unrecovered) or the wait the benchmark gave up after; None when nothing was measured."""
+    if row.get("job_ended") is not None:
+        return float("inf")
+    return row.get("lost_more_than_s")
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = ["| fault | system | time lost (s) | steps at reduced strength | bit-identical | time lost / TorchPass's |",
             "|---|---|---|---|---|---|"]
     for fault, f in res["faults"].items():
         for system in ("torchpass", *PEERS):
             r = f.get(system, {})
-            if r.get("job_ended"):
+            if r.get("job_ended") or r.get("lost_more_than_s") is not None:
                 rows.append(f"| {fault} | {system} | {r['note']} | {r['reduced_strength_steps']} | - | - |")
                 continue
             if r.get("time_lost_s") is None:

@@ -52,7 +52,8 @@ def test_the_wheel_in_a_fresh_venv_runs_the_daemon_the_launchpads_and_a_planned_
     daemon = DrillDaemon(devcluster, work, bindir=installed, env=env)
     try:
         drill = subprocess.Popen([str(installed / "torchpassctl"), "--config", str(work / "torchpass.toml"), "drill",
-                                  "--mode", "planned-aware", "--nodes", "3", "--nproc-per-node", "2", "--json"],
+                                  "--mode", "planned-aware", "--nodes", "2", "--nproc-per-node", "2", "--steps", "200",
+                                  "--json"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work,
                                  env={**devcluster.slurm_env, **env})
         pythons = _worker_pythons(daemon, drill)  # while the job trains: which interpreter its workers run

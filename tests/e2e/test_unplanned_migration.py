@@ -68,7 +68,7 @@ def test_drill_unplanned_kill_of_a_two_rank_node_rebuilt_on_the_jobs_hot_spare(
 
 
 def test_drill_unplanned_network_cut_of_a_two_rank_node(torchpassd: Daemon, tp_config: Path) -> None:
-    report = _drill(tp_config, "unplanned-cut", "--nodes", "3", "--nproc-per-node", "2")
+    report = _drill(tp_config, "unplanned-cut", "--nodes", "2", "--nproc-per-node", "2")
     _assert_drill_ok(report, "cut")
     assert len(report["moved_ranks"]) == 2, report
     # Heartbeat silence decides a cut (the broker's Last Will comes only after 1.5 x keepalive).

@@ -19,7 +19,7 @@ from tests.support.e2e import Daemon, install_site_config, wait_until
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
 TORCHPASSCTL = str(Path(sys.executable).parent / "torchpassctl")
-VICTIM = "n3"  # the drill degrades the job's last node (n1 is the batch host, n5 the spare)
+VICTIM = "n2"  # the drill degrades the job's last node (n1 is the batch host, n5 the spare)
 REASON = "torchpass: GPU0 XID 79 (fell off the bus)"
 
 
@@ -35,7 +35,7 @@ def test_gpu_degrade_drill_drains_the_node_naming_the_xid_and_migrates_first(
         return {n["node"]: n for n in json.loads(res.stdout)["nodes"]}
 
     drill = subprocess.Popen([*ctl, "drill", "--mode", "gpu-degrade", "--json", "--step-sleep", "0.15",
-                              "--nodes", "3", "--nproc-per-node", "2"],
+                              "--nodes", "2", "--nproc-per-node", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # the replay goes on after the XID: the GPU is lost two samples later, the node already drained

@@ -83,3 +83,17 @@ def test_a_peer_whose_job_ended_unrecovered_lost_more_than_torchpass() -> None:
     res = summarise(raw)
     assert res["torchpass_loses_least"] is True
     assert "| worker_kill | checkpoint_restart | the job ended FAILED and did not come back" in markdown(res)
+
+
+def test_a_peer_not_back_when_the_benchmark_stopped_waiting_lost_more_than_that() -> None:
+    """Seen: torchrun's restarts failing over and over without the job ending; the benchmark gives
+    up after its wait, which is then what the peer lost at least (a bound, not a figure)."""
+    raw = {"faults": {"worker_kill": {"torchpass": torchpass_row(_drill(2.0), 0.2),
+                                      "checkpoint_restart": restart_row({"not_back_within_s": 465.2,
+                                                                         "time_lost_s": None}),
+                                      "torchft": torchft_row({"time_lost_s": 5.0, "bit_identical": False})}}}
+    res = summarise(raw)
+    assert res["torchpass_loses_least"] is True
+    assert "| worker_kill | checkpoint_restart | not back at the failed step 465 s after the fault" in markdown(res)
+    raw["faults"]["worker_kill"]["checkpoint_restart"] = restart_row({"not_back_within_s": 2.0})  # below TorchPass's 3 s
+    assert summarise(raw)["torchpass_loses_least"] is False
