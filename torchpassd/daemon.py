@@ -215,7 +215,8 @@ class Orchestrator:
         if self.watcher.last is None:
             return "waiting for the first Slurm poll", False
         spares = self.d.pool.list(self.watcher.last)
-        if not any(s.available for s in spares):
+        hot = view.hot_spares() if view.mode != TRANSPARENT else []  # criu restores onto a spare from the pool
+        if not hot and not any(s.available for s in spares):
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
             return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears", True
         return "", False

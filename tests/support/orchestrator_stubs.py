@@ -33,6 +33,9 @@ class Slurm:
     def give_back(self, node: str) -> None:
         self.given_back.append(node)
 
+    def list(self, snap: Any = None) -> list[Any]:
+        return []  # the reservation's spares: none free
+
     def release_node(self, job: int, node: str) -> None:
         self.released.append(node)
 

@@ -44,3 +44,24 @@ def test_a_drained_batch_host_may_move_like_any_node_and_once_emptied_is_left_al
         assert (JOB, "n1") not in orch.pending
         journal.close()
     asyncio.run(main())
+
+
+def test_a_drain_of_a_job_with_a_hot_spare_does_not_wait_for_the_pools(tmp_path: Path) -> None:
+    """No spare free in the reservation: a model-aware job with a hot spare of its own
+    (--torchpass-spares) moves onto it; a transparent job's criu restore needs the pool's."""
+    async def main() -> list[str]:
+        orch, journal, _ = await orchestrator(tmp_path)
+        orch.watcher.last = object()  # a Slurm poll was seen
+        seen = [orch._blocked(JOB, "n3")[0]]
+        await orch.d.registry.update_job(JOB, nodes=("n1", "n3", "n4"), user="u", mode="aware", batch_host="n1")
+        body = {"node": "n4", "seq": 1, "workers": [], "standby": "ready", "hot_spare": True}
+        await orch.d.registry.on_message("n4", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
+                                                                               body=body)))
+        seen.append(orch._blocked(JOB, "n3")[0])
+        orch.d.registry.job(JOB).mode = "transparent"
+        seen.append(orch._blocked(JOB, "n3")[0])
+        journal.close()
+        return seen
+
+    no_spare, hot, transparent = asyncio.run(main())
+    assert no_spare.startswith("no spare free for n3") and hot == "" and transparent == no_spare
