@@ -84,6 +84,10 @@ def main(**opts: object) -> None:
     os.environ[log.ENV_FILE] = str(log_file)  # the workers' TorchPass library logs there too
     log.get(node=spec.node, run=spec.run_id).info("launchpad.started", argv=sys.argv, log_file=str(log_file))
     joining = agent_channel.ENV_JOIN_PLAN in os.environ  # a spare's launchpad joining mid-job: nothing torchrun says
+    slurm = specmod.SlurmHints.from_env(os.environ)
+    if (why := specmod.hot_spares_ignored(slurm)) and not joining:
+        log.get().warning("launchpad.hot_spares_ignored", spares=slurm.spares, why=why,
+                          hint="every node of the step trains and none is kept as a hot spare")
     if joining:
         _check_workdir(spec.node, spec.nproc_per_node, log_file)
     if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1 and not joining:  # torchrun warns the same

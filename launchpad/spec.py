@@ -178,9 +178,20 @@ def split_hot_spares(slurm: SlurmHints, lo: int, hi: int) -> tuple[int, int, boo
     nodes' --nnodes (MIN, MAX) and whether this node is a hot spare. An --nnodes that counts every
     node of the step (``--nnodes $SLURM_NNODES``) counts the spares too: they are taken off it.
     Nothing changes without one task a node, or when the spares would leave no node to train."""
-    if not slurm.spares or slurm.nnodes is None or slurm.node_rank is None or slurm.spares >= slurm.nnodes:
+    if not slurm.spares or hot_spares_ignored(slurm):
         return lo, hi, False
     train = slurm.nnodes - slurm.spares
     if hi == slurm.nnodes:
         lo, hi = min(lo, train), train
     return lo, hi, slurm.node_rank >= train
+
+
+def hot_spares_ignored(slurm: SlurmHints) -> str:
+    """Why this job's ``--torchpass-spares`` cannot be honoured (every node then trains), or ""."""
+    if not slurm.spares:
+        return ""
+    if slurm.nnodes is None or slurm.node_rank is None:
+        return "the step does not run one task a node (srun --ntasks-per-node=1, as torchrun wants)"
+    if slurm.spares >= slurm.nnodes:
+        return f"the step has {slurm.nnodes} nodes: no node would be left to train"
+    return ""

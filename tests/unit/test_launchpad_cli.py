@@ -126,3 +126,15 @@ def test_torchpass_spares_make_the_steps_last_nodes_hot_spares() -> None:
     assert place("--nnodes=4", node="3", TORCHPASS_SPARES="x") == (4, 4, False)
     joiner = env(0, TORCHPASS_JOIN_PLAN="{}")  # a spare started by torchpassd to take a lost node's ranks
     assert build("--nnodes=1", "--nproc-per-node=2", "train.py", env=joiner).hot_spare is False
+
+
+def test_hot_spares_that_cannot_be_honoured_say_why() -> None:
+    def why(**env: str) -> str:
+        base = {"SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "1", "TORCHPASS": "aware",
+                "TORCHPASS_SPARES": "1"}
+        return spec.hot_spares_ignored(spec.SlurmHints.from_env({**base, **env}))
+
+    assert why() == ""
+    assert "no node would be left to train" in why(TORCHPASS_SPARES="2")
+    assert "one task a node" in why(SLURM_NTASKS="4")
+    assert why(TORCHPASS_SPARES="0") == ""
