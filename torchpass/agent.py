@@ -102,10 +102,11 @@ class Agent:
     def _sever(self, reason: str) -> None:
         """On the reader thread: cut the running generation's collectives (group.sever), so a
         training thread waiting in one with a lost peer raises now and is interrupted; one that is
-        between collectives raises at its next. Nothing to cut while recovering or before the group
+        between collectives raises at its next; one tearing a failed generation down is freed from
+        its shutdown's wait on the lost peer. Nothing to cut while recovering or before the group
         is formed."""
         group = default_group.group()
-        if group is None or group.local or self.recovering:
+        if group is None or self.recovering:
             self.log.info("agent.sever_ignored", reason=reason, recovering=self.recovering)
             return
         cut = group.sever(reason)

@@ -305,16 +305,17 @@ class TorchPassGroup(dist.ProcessGroup):
         of a subgroup: make every collective of this generation fail now (severing.py: gloo's
         connections shut down, NCCL aborted); failed() reports ``reason`` from then on, so the
         bootstrap treats what the script raises as an interruption. Returns the connections cut.
-        A local group (no generation) is left alone."""
+        A generation already abandoned (after a failed collective) has what is left of its
+        connections cut too: its shutdown may still wait on a lost peer until the timeout (seen on
+        gloo), holding back this rank's interruption report. A group never formed has none."""
         count = sum(sub.sever(reason) for sub in self.subgroups)
         inner = self._inner
-        if inner is None:
-            return count
-        if self.failure is None:
-            self.failure = WorkerError(reason, rank=self.rank(), gen=self.gen)
-        if "nccl" in self.backend:
-            with contextlib.suppress(RuntimeError):  # already aborted or shut down
-                inner.abort()
+        if inner is not None:
+            if self.failure is None:
+                self.failure = WorkerError(reason, rank=self.rank(), gen=self.gen)
+            if "nccl" in self.backend:
+                with contextlib.suppress(RuntimeError):  # already aborted or shut down
+                    inner.abort()
         return count + severing.cut(self._sockets)
 
     def abandon(self) -> None:

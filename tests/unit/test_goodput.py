@@ -157,5 +157,8 @@ def test_unplanned_time_lost_is_reported_for_every_victim_position_beside_the_co
     assert res["unplanned_by_position"]["1"] == {"time_lost_s": 3.0, "detect_s": 0.5, "note": None}  # 0.5 + 0.5 + 2
     assert res["unplanned_by_position"]["2"]["time_lost_s"] is None
     table = recovery.markdown({**res, "raw": raw})
-    assert "node 1 of the job killed | 3 s (detected in 0.5 s; collective timeout 30 s)" in table
-    assert "node 2 of the job killed | not available" in table
+    assert "node 1 of the job killed, a spare from the pool takes its ranks | 3 s (detected in 0.5 s; " \
+           "collective timeout 30 s)" in table
+    assert "node 2 of the job killed, a spare from the pool takes its ranks | not available" in table
+    hot = recovery.markdown({**res, "raw": {**raw, "positions_hot_spares": 1}})  # bench recovery's default
+    assert "node 1 of the job killed, the job's hot spare (--torchpass-spares=1) takes its ranks | 3 s" in hot

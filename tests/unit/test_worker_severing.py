@@ -86,3 +86,46 @@ def test_a_collective_of_a_subgroup_is_freed_too(tmp_path: Path) -> None:
     for r in results:
         assert "completed" not in r and r["waited_s"] < 10, r
         assert r["failed"] != "None" and r["store"] == "ok", r
+
+
+ABANDON_SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torchpass.group import TorchPassGroup
+
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    pg = TorchPassGroup("gloo", dist.PrefixStore("gen1/", store), rank, world, timedelta(seconds=30), local=False)
+    pg.allreduce([torch.ones(8)]).wait()
+    if rank == world - 1:  # lost: alive, connected, never answers again
+        time.sleep(60)
+        sys.exit(0)
+    pg.allreduce([torch.ones(1 << 20)])  # in flight when the generation fails
+    time.sleep(0.5)
+    threading.Thread(target=lambda: (time.sleep(1.0), pg.sever("n3 was lost (test)")), daemon=True).start()
+    t0 = time.monotonic()
+    pg.abandon()  # the bootstrap tearing the failed generation down
+    print(json.dumps({"rank": rank, "abandon_s": round(time.monotonic() - t0, 2), "local": pg.local}), flush=True)
+""")
+
+
+def test_a_sever_frees_a_rank_whose_teardown_waits_on_the_lost_peer(tmp_path: Path) -> None:
+    """Seen in CI: a rank whose collective failed tears its generation down, and gloo's shutdown
+    waits for a collective still in flight with the lost peer until the group's timeout (30 s
+    here), holding back the rank's interruption report; the sever that arrives meanwhile cuts what
+    is left of the generation's connections, so the teardown ends at once."""
+    script = tmp_path / "abandon.py"
+    script.write_text(ABANDON_SCRIPT)
+    port, world = free_port(), 3
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    try:
+        for p in procs[:-1]:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err[-2000:]
+            r = json.loads(out.strip().splitlines()[-1])
+            assert r["local"] and r["abandon_s"] < 10, r  # without the cut: the 30 s timeout
+    finally:
+        procs[-1].kill()
+        procs[-1].communicate()
