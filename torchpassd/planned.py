@@ -375,15 +375,19 @@ class Flow:
         return {"gen": gen, "world_size": p.world_size, "store_host": p.store_host, "store_port": p.store_port,
                 "prefix": f"/torchpass/{p.job}/gen{gen}", **({"ifname": path} if path else {})}
 
+    async def _abort_on(self, nodes: list[str], args: dict[str, Any]) -> list[str]:
+        """Send ``abort`` with ``args`` to ``nodes`` side by side; the problems, one per node that failed."""
+        results = await asyncio.gather(*(self.send(n, "abort", self.plan.gen, args, timeout=self.t.reform)
+                                         for n in nodes), return_exceptions=True)
+        return [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
+
     async def _drop_target(self, target: str) -> list[str]:
         """Stop the joiner on ``target`` and its launchpad, take the spare out of the job, back
         to the pool; returns what went wrong on the way. A hot spare stays in the job (its
         launchpad is a task of the user's step): only the joiners this migration started stop."""
         p = self.plan
         if target in p.hot:
-            results = await asyncio.gather(self.send(target, "abort", p.gen, timeout=self.t.reform),
-                                           return_exceptions=True)
-            return [f"{target}: {r}" for r in results if isinstance(r, BaseException)]
+            return await self._abort_on([target], {})
         problems: list[str] = []
         proc = self.d.steps.pop(self._step_key(target), None)
         if proc is not None and proc.poll() is None:

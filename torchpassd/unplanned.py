@@ -659,13 +659,6 @@ class UnplannedRecovery(Flow):
         return jn.FAILED
 
 
-    async def _abort_on(self, nodes: list[str], args: dict[str, Any]) -> list[str]:
-        """Send ``abort`` with ``args`` to ``nodes`` side by side; the problems, one per node that failed."""
-        results = await asyncio.gather(*(self.send(n, "abort", self.plan.gen, args, timeout=self.t.reform)
-                                         for n in nodes), return_exceptions=True)
-        return [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
-
-
 async def resume_after_restart(rec: UnplannedRecovery, phase: str) -> str:
     """A recovery a previous torchpassd left in ``phase``: before the hand-over the joiners it
     started are gone with its steps and the survivors are still parked, so it fails (the failure
