@@ -46,6 +46,8 @@ def cut(inodes: set[str]) -> int:
             continue
         with sock:
             try:
+                if f"socket:[{os.fstat(sock.fileno()).st_ino}]" not in inodes:
+                    continue  # the descriptor was closed (its group shutting down) and reused meanwhile
                 if sock.type != socket.SOCK_STREAM or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue
                 sock.shutdown(socket.SHUT_RDWR)

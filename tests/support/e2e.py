@@ -28,6 +28,7 @@ from torchpassd.drill_report import read_log
 
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "rolled_back")
+CALL_FAILED = pytest.StashKey[bool]()
 # Short decision timeouts so a failure shows within a test; they must still nest.
 TIMEOUTS = {"collective": 10.0, "step": 20.0, "reform": 30.0, "decision": 90.0}
 
@@ -47,6 +48,15 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float, every: float
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(every)
     return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """Remember whether a test's body failed, so that its torchpassd fixture can show why."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
 
 
 @pytest.fixture
@@ -122,6 +132,14 @@ class Daemon:
             return False
         return True
 
+    def complaints(self, lines: int = 60, width: int = 800) -> str:
+        """The last ``lines`` warning and error lines of its log, each cut at ``width`` characters."""
+        if not self.log_path.exists():
+            return "(no log)"
+        bad = [ln[:width] for ln in self.log_path.read_text(errors="replace").splitlines()
+               if '"level": "warning"' in ln or '"level": "error"' in ln or "Traceback" in ln]
+        return "\n".join(bad[-lines:]) or "(none)"
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None:
             return
@@ -186,6 +204,8 @@ def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
         yield daemon
     finally:
         daemon.stop()
+        if request.node.stash.get(CALL_FAILED, False):  # what torchpassd said, in the failure's report
+            print(f"---- {daemon.log_path.name}: its warnings and errors (tail) ----\n{daemon.complaints()}")
         devcluster.reset()  # no job left, drained nodes resumed, spares restored
 
 

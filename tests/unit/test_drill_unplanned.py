@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import dead
 from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import crash_script, judge, kill_script
 
@@ -56,14 +57,6 @@ def test_verdict(tmp_path: Path, case: str) -> None:
         assert rep.bit_identical is False and "recomputed or replayed differently" in (rep.error or "")
 
 
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie its parent has not reaped yet."""
-    try:
-        return "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
-    except FileNotFoundError:
-        return True
-
-
 def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_that_slurmd_only(tmp_path: Path) -> None:
     """On a real cluster the drill kills by pid (a dev cluster's nodes share one pid namespace, so
     `pidof slurmd` there would take every node's): a stand-in step (stepd -> launchpad -> worker),
@@ -85,7 +78,7 @@ def test_the_real_cluster_kill_takes_the_workers_their_launchpad_and_step_and_th
         assert slurmd.wait(timeout=10) == -9
         for pid in (worker, launchpad):
             deadline = time.monotonic() + 10
-            while not _dead(pid):
+            while not dead(pid):
                 assert time.monotonic() < deadline, f"{pid} still runs"
                 time.sleep(0.02)
         assert bystander.poll() is None
@@ -107,10 +100,10 @@ def test_the_crash_drill_kills_its_worker_and_leaves_the_launchpad_and_other_wor
         victim, other = (int((tmp_path / n).read_text()) for n in "ab")
         subprocess.run(["sh", "-c", crash_script(victim)], check=True, timeout=30)
         deadline = time.monotonic() + 10
-        while not _dead(victim):
+        while not dead(victim):
             assert time.monotonic() < deadline, f"{victim} still runs"
             time.sleep(0.02)
-        assert launchpad.poll() is None and not _dead(other)
+        assert launchpad.poll() is None and not dead(other)
     finally:
         launchpad.kill()
         launchpad.wait()

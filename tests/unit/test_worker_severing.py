@@ -7,12 +7,17 @@ failed(), and leaves the store usable so the next generation forms without the f
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.support.ports import free_port
+from torchpass import severing
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
@@ -129,3 +134,26 @@ def test_a_sever_frees_a_rank_whose_teardown_waits_on_the_lost_peer(tmp_path: Pa
     finally:
         procs[-1].kill()
         procs[-1].communicate()
+
+
+def test_a_descriptor_reused_between_the_look_and_the_cut_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sever runs on the reader thread while the training thread may be shutting the group down:
+    a descriptor of the group's can be closed and handed to a new connection (a donation's stream)
+    between cut's look at it and its cut. The new connection is not cut; the group's still are."""
+    old_a, old_b = socket.socketpair()
+    new_a, new_b = socket.socketpair()
+    with old_a, old_b, new_a, new_b:
+        group_sockets = {severing_target(old_a)}
+        real_readlink = os.readlink
+
+        def stale_readlink(path: str) -> str:  # what the fd held a moment ago: one of the group's sockets
+            return severing_target(old_a) if path.endswith(f"/{new_a.fileno()}") else real_readlink(path)
+        monkeypatch.setattr(os, "readlink", stale_readlink)
+        assert severing.cut(group_sockets) == 1  # old_a itself, not the reused descriptor
+        new_b.sendall(b"still open")
+        assert new_a.recv(16) == b"still open"
+        assert old_b.recv(16) == b""  # the group's connection was cut: its peer sees it close
+
+
+def severing_target(sock: socket.socket) -> str:
+    return os.readlink(f"/proc/self/fd/{sock.fileno()}")
