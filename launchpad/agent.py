@@ -115,6 +115,10 @@ class Agent:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
+            if outcome.ok and self.spec.hot_spare and self.group.dismissed_all():
+                await self.group.stop()  # its seating was undone: warm again for the next lost node
+                self._log.warning("agent.hot_spare_again", ranks=sorted(w.rank for w in self.group.workers.values()))
+                continue
             if outcome.ok:
                 # a store host whose ranks all moved away (the job's batch host, which Slurm keeps in
                 # the job) keeps the store for as long as the other nodes train

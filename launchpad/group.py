@@ -84,6 +84,7 @@ class WorkerGroup:
         self.workers: dict[int, workers.Worker] = {}
         self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
         self.told_to_exit: set[int] = set()  # pids the abort/exit commands asked to exit
+        self.dismissed: set[int] = set()  # joiners of a migration given up (abort): their end is no failure
         self.hold_s = hold_s  # > 0: hold a worker killed by a signal that long for an in-place recovery
         self.held: dict[int, float] = {}  # pid of a held crashed worker -> when it crashed (loop time)
         self.on_held = on_held  # e.g. an immediate heartbeat, so torchpassd hears of the crash at once
@@ -268,6 +269,8 @@ class WorkerGroup:
         """Note that ``w`` exited; the round's failure when it failed."""
         running.discard(w.pid)
         self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
+        if w.pid in self.dismissed:  # its rank runs where it ran before, or on another spare
+            return None
         if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here
             if self.hold_s > 0 and (w.returncode or 0) < 0 and w.pid not in self.told_to_exit:
                 self.held[w.pid] = asyncio.get_running_loop().time()
@@ -277,6 +280,11 @@ class WorkerGroup:
                 return None
             return Outcome(ok=False, failed=(w.rank, w.returncode or 0))
         return None
+
+    def dismissed_all(self) -> bool:
+        """Every worker here was a joiner of a migration given up (a hot spare whose seating was
+        undone): the node runs no rank of the job and may be seated again."""
+        return bool(self.workers) and set(self.workers) <= self.dismissed
 
     def emptied(self) -> bool:
         """Every worker here left for another node and ended: a migration moved it (criu) or told

@@ -435,3 +435,45 @@ def test_a_hot_spare_never_seated_ends_with_success_once_the_jobs_store_closes(t
 
     code, after = asyncio.run(main())
     assert code == 0 and after < 10 and not marker.exists()
+
+
+def test_a_hot_spare_whose_seating_is_undone_stands_by_again_and_ends_with_success(tmp_path: Path) -> None:
+    """A hot spare's joiners stopped because their migration was given up (they failed and the
+    pool's spare took the ranks, or a drain rolled back) are no failure of the job's: the spare
+    stands by for the next lost node, can be seated again, and ends 0 (the job COMPLETED) once
+    the job's store closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    def accept() -> None:  # the job's rendezvous store, open while the job trains
+        with contextlib.suppress(OSError):
+            while True:
+                server.accept()[0].close()
+    threading.Thread(target=accept, daemon=True).start()
+    spec = LaunchSpec(entrypoint=sys.executable, args=("-c", "import time; time.sleep(60)"), no_python=True,
+                      rdzv_backend="c10d", rdzv_host="127.0.0.1", rdzv_port=server.getsockname()[1], hot_spare=True,
+                      grace_period=2.0)
+    source = {"host": "127.0.0.1", "port": 29402, "token": "ab"}
+
+    async def main() -> tuple[list[list[int]], int]:
+        agent = Agent(spec, Config())
+        agent.channel.wait_for = lambda pids, timeout: asyncio.sleep(0)  # the joiners here never say hello
+        task = asyncio.create_task(agent.main())
+        stopped, groups = [], []
+        for migration in ("m1", "m2"):  # seated, given up; seated again, given up again
+            for _ in range(200):
+                if agent.group is not None and agent.group not in groups and not agent.group.workers:
+                    break
+                await asyncio.sleep(0.05)
+            groups.append(agent.group)
+            commands = Commands(agent)
+            await commands.start_joiner({"world_size": 4, "group_rank": 1, "group_world_size": 2,
+                                         "joiners": [{"rank": 2, "source": source}, {"rank": 3, "source": source}]},
+                                        1, migration)
+            stopped.append((await commands.abort({}, 1, migration))["stopped_joiners"])
+            await asyncio.sleep(1.0)
+            assert not task.done(), f"the hot spare ended after {migration} was given up: {task.result()}"
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        return stopped, await asyncio.wait_for(task, 30)
+
+    stopped, code = asyncio.run(main())
+    assert stopped == [[2, 3], [2, 3]] and code == 0
