@@ -104,11 +104,12 @@ def test_transparent_drain_of_an_fsdp2_job_moves_its_worker_processes_and_ends_c
     assert_every_line_once(job)
 
 
-def hsdp_training(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path
+def hsdp_training(torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, spares: int = 0
                   ) -> tuple[Training, dict]:
-    """An HSDP job training, once torchpassd knows every rank has a replica; and its view."""
+    """An HSDP job training (with ``spares`` hot spares), once torchpassd knows every rank has a
+    replica; and its view."""
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                   script=EXAMPLE, args="--mesh hsdp")
+                   script=EXAMPLE, args="--mesh hsdp", spares=spares)
     view = job.wait_running(torchpassd, min_step=5)
     assert wait_until("the job's layout", lambda: (torchpassd.job(job.job) or {}).get("unplanned", "").startswith(
         "unplanned: every rank has a replica"), 30)
@@ -128,6 +129,28 @@ def test_hsdp_node_death_rebuilds_its_ranks_from_the_other_replica_group(
     assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and mig["target"] == "n5", mig
     chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
     assert chosen["detail"]["ranks"] == lost, chosen
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"), killed=lost)
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+
+
+@pytest.mark.faults
+@pytest.mark.matrix  # CI: a DDP job's node rebuilt on its hot spare (test_unplanned_migration.py)
+def test_hsdp_node_death_rebuilds_its_ranks_on_the_jobs_hot_spare(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """``sbatch -N3 --torchpass-spares=1`` of the same HSDP job: the dead node's two shards are
+    rebuilt on the job's own hot spare (no spare from the pool, no resize) from the other replica
+    group; the job ends COMPLETED 0:0, bit-identical, on the nodes it was given."""
+    job, view = hsdp_training(torchpassd, devcluster, tp_config, workdir, spares=1)
+    (hot,) = [n for n, lp in view["launchpads"].items() if not lp["workers"]]
+    victim = next(n for n in view["nodes"] if n not in (view["batch_host"], hot))
+    lost = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    devcluster.kill_node(victim)
+    mig = torchpassd.wait_migration(job.job, victim, timeout=180)
+    assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and mig["target"] == hot, mig
+    chosen = next(p for p in mig["phases"] if p["phase"] == "spare_chosen")
+    assert chosen["detail"]["ranks"] == lost and chosen["detail"]["hot"] is True, chosen
+    assert set(torchpassd.job(job.job)["nodes"]) <= set(view["nodes"])  # no spare from the pool
     assert_bit_identical(job.wait_done(), undisturbed(workdir, "hsdp"), killed=lost)
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"

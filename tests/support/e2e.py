@@ -216,22 +216,25 @@ class Training:
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
                  nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware",
-                 torchrun_args: str = "", cwd: Path | None = None) -> None:
+                 torchrun_args: str = "", cwd: Path | None = None, spares: int = 0) -> None:
         """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
         (with ``args``; ``mode``: its --torchpass mode); ``torchrun_args``: more torchrun options;
-        ``cwd``: where sbatch runs (the job's working directory), ``workdir`` by default."""
+        ``cwd``: where sbatch runs (the job's working directory), ``workdir`` by default; ``spares``:
+        hot spares in the job's allocation (``sbatch -N nodes+spares --torchpass-spares``, torchrun's
+        ``--nnodes $SLURM_NNODES`` as users write it)."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
         self.out = workdir / "slurm-%j.out"
         install_site_config(cluster, config)
         script = ("#!/bin/bash\n" +
-                  f"srun torchrun --nnodes {nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
+                  f"srun torchrun --nnodes {'$SLURM_NNODES' if spares else nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
                   "--rdzv-endpoint $SLURMD_NODENAME:29500 "
                   f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)
-        res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", f"-N{nodes}", "-o",
+        hot = [f"--torchpass-spares={spares}"] if spares else []
+        res = subprocess.run(["sbatch", "--parsable", f"--torchpass={mode}", *hot, f"-N{nodes + spares}", "-o",
                               str(self.out), str(workdir / "train.sh")],
                              capture_output=True, text=True, cwd=cwd or workdir, timeout=60,
                              env=dict(cluster.env, SLURM_CONF=client_conf), check=True)
