@@ -71,7 +71,7 @@ def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Dae
 
 def test_drill_two_ranks_a_node_reports_ok_bit_identical_and_completed(torchpassd: Daemon, tp_config: Path) -> None:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
-                          "--mode", "planned-aware", "--json", "--steps", str(STEPS), "--nodes", "3",
+                          "--mode", "planned-aware", "--json", "--steps", str(STEPS), "--nodes", "2",
                           "--nproc-per-node", "2", "--step-sleep", str(STEP_SLEEP)],
                          capture_output=True, text=True, timeout=900)
     report = json.loads(res.stdout)
@@ -185,7 +185,7 @@ def test_spare_dying_during_hand_over_rolls_back(torchpassd: Daemon, devcluster:
 def test_torchpassd_sigkill_mid_migration_then_restart(torchpassd: Daemon, devcluster: DevCluster,
                                                        tp_config: Path, workdir: Path, reference,  # noqa: ANN001
                                                        fault_matrix: FaultMatrix) -> None:
-    job = training(devcluster, tp_config, workdir, torchpassd, step_sleep=3 * STEP_SLEEP)  # room for two joiners
+    job = training(devcluster, tp_config, workdir, torchpassd, step_sleep=2 * STEP_SLEEP)  # room for two joiners
     devcluster.drain("n3", "planned maintenance")
     torchpassd.wait_phase(job.job, ("joiner_ready", "paused"))
     with fault_matrix.case("kill -9 torchpassd", "planned migration") as cell:

@@ -120,7 +120,7 @@ def test_forged_gpu_reports_are_not_acted_on_and_a_true_one_is(torchpassd: Daemo
     its own node with the policy on drains that node, and the job moves off it to n5 and completes,
     bit-identical."""
     devcluster.reset()
-    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=0.4)
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=0.3)
     off = tp_config.with_name("torchpass-health-off.toml")
     off.write_text(derive(tp_config.read_text(), {"health": {"enabled": False}}))
     torchpassd.stop()
