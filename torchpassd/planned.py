@@ -576,10 +576,7 @@ class PlannedMigration(Flow):
         generation, the joiner and its launchpad go, the spare leaves the job for the pool."""
         p = self.plan
         self.log.warning("migration.rolling_back", reason=reason)
-        nodes = [*p.survivors, p.source]
-        results = await asyncio.gather(*(self.send(n, "abort", p.gen, timeout=self.t.reform) for n in nodes),
-                                       return_exceptions=True)
-        problems = [f"{n}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)]
+        problems = await self._abort_on([*p.survivors, p.source], {})
         if self.save_sent:
             # A failed save leaves the leaving rank parked but reported as errored, and launchpad's
             # abort resumes only workers it sees as paused: resume it by name.
