@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.recovery import ROOT, _drill, _round, _say, mem_available, prepare_cluster, size_fits
 from torchpassd.goodput import ratio
+from torchpassd.planned import WORMHOLE_PORT_BASE, joiner_port
 
 GOAL = 1.3  # N ranks' pause over one rank's
 
@@ -26,7 +27,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """Each rank count's pause, hand-over bytes and its ratio to the 1-rank pause of the run."""
     one = (raw["runs"].get("1") or {}).get("pause_s")
     out: dict[str, Any] = {"state_mib": raw["state_mib"], "nodes": raw["nodes"], "goal": GOAL,
-                           "cpus": raw.get("cpus")}
+                           "cpus": raw.get("cpus"), "link_gbit_per_rank": raw.get("link_gbit_per_rank")}
     for n, rep in raw["runs"].items():
         out[f"pause_s_{n}"] = rep.get("pause_s")
         out[f"bytes_{n}"] = rep.get("bytes")
@@ -48,8 +49,10 @@ def markdown(res: dict[str, Any]) -> str:
         same = "| - | - |" if n == "1" else f"| {res.get(f'pause_s_one_rank_x{n}')} | {res.get(f'ratio_same_bytes_{n}')} |"
         rows.append(f"| {n} | {res[f'pause_s_{n}']} | {res.get(f'bytes_{n}')} | "
                     f"{'1 (baseline)' if n == '1' else r} {same}")
+    link = (f"; each rank's state on a link of its own of {res['link_gbit_per_rank']:g} Gbit/s out of the node "
+            "(one NIC per GPU)" if res.get("link_gbit_per_rank") else "")
     return (f"Planned-aware pause against ranks a node ({res['state_mib']} MiB extra state per rank, "
-            f"{res['nodes']} nodes, {res.get('cpus')} CPUs; goal <= {res['goal']}x)\n\n" + "\n".join(rows) + "\n"
+            f"{res['nodes']} nodes, {res.get('cpus')} CPUs{link}; goal <= {res['goal']}x)\n\n" + "\n".join(rows) + "\n"
             "\nThe last column compares with one rank moving the same bytes: 1 means the ranks cost no more "
             "than their bytes; above 1, running them side by side costs extra (each moved rank has a saving and "
             "a joining process: with fewer CPUs than that they share cores).\n")
@@ -66,11 +69,29 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         return {"not_available": why} if why else _drill(cluster, work / name, "planned-aware", a.nodes, mib,
                                                          nproc=nproc)
 
-    for n in [int(x) for x in a.nproc.split(",")]:
-        raw["runs"][str(n)] = drill(f"nproc{n}", n, a.state_mib)
-        if n > 1 and not a.no_same_bytes:
-            raw["same_bytes"][str(n)] = drill(f"nproc1-x{n}", 1, n * a.state_mib)
+    counts = [int(x) for x in a.nproc.split(",")]
+    nodes = [n["name"] for n in cluster.info["nodes"]]
+    if a.link_gbit_per_rank:
+        raw["link_gbit_per_rank"] = a.link_gbit_per_rank
+        for node in nodes:
+            cluster.shape(node, a.link_gbit_per_rank, rank_port_groups(max(counts)))
+    try:
+        for n in counts:
+            raw["runs"][str(n)] = drill(f"nproc{n}", n, a.state_mib)
+            if n > 1 and not a.no_same_bytes:
+                raw["same_bytes"][str(n)] = drill(f"nproc1-x{n}", 1, n * a.state_mib)
+    finally:
+        if a.link_gbit_per_rank:
+            for node in nodes:
+                cluster.shape(node, 0)
     return raw
+
+
+def rank_port_groups(nproc: int, generations: int = 32) -> list[list[int]]:
+    """The wormhole ports a joining node's local worker i listens on (over the job's first
+    ``generations`` generations), one group per i: shaped as one link each, a rank's state takes
+    its own NIC, as each GPU of an NVL72 tray has."""
+    return [[joiner_port(WORMHOLE_PORT_BASE + gen, i) for gen in range(1, generations + 1)] for i in range(nproc)]
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -80,13 +101,17 @@ def main(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--state-mib", type=int, default=256, help="extra state per rank, carried by save/load (MiB)")
     p.add_argument("--no-same-bytes", action="store_true",
                    help="skip the 1-rank runs that carry N ranks' bytes (the CPU-bound reference)")
+    p.add_argument("--link-gbit-per-rank", type=float, default=0.0,
+                   help="give each rank's state a link of its own of this many Gbit/s out of every node (one NIC "
+                        "per GPU; low enough that the CPUs are not the limit); default 0: the nodes' links as they are")
     p.add_argument("--outdir", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     raw = run(a)
     res = {**summarise(raw), "raw": raw}
     out = Path(a.outdir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ranks.json").write_text(json.dumps(res, indent=1))
-    (out / "ranks.md").write_text(markdown(res))
+    name = f"ranks-link-{a.link_gbit_per_rank:g}gbit-per-rank" if a.link_gbit_per_rank else "ranks"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.md").write_text(markdown(res))
     _say(markdown(res))
     return res

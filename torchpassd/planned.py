@@ -499,9 +499,13 @@ class PlannedMigration(Flow):
             return await self._reform_back(f"forming generation {p.new_gen} with {p.target} failed: {exc}")
         try:
             await self.phase(REFORMED)
-            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members),
-                                 self.send(p.source, "exit", p.gen))
-            p.resumed_at, p.gen_after = time.time(), p.new_gen
+
+            async def resume() -> float:  # the pause ends when every member trains again, not when the
+                await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
+                return time.time()  # leaving worker has exited (freeing its state takes a while)
+
+            p.resumed_at, _ = await asyncio.gather(resume(), self.send(p.source, "exit", p.gen))
+            p.gen_after = p.new_gen
             pause_s = p.resumed_at - p.paused_at
             await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.paused_step)
             if self.keeps_source():

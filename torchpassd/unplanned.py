@@ -61,6 +61,7 @@ class UnplannedPlan(Plan):
     resume_step: int = -1
     recover_sent: bool = False
     severed: dict[str, list[int]] = field(default_factory=dict)  # per survivor: ranks whose collectives were cut
+    hot_tried: list[str] = field(default_factory=list)  # hot spares whose joiners failed to start (run no rank)
 
     @property
     def dead(self) -> list[str]:
@@ -159,7 +160,6 @@ class UnplannedRecovery(Flow):
         self._more: list[Death] = []
         self._changed = asyncio.Event()
         self._slurm = asyncio.Lock()  # one job resize at a time
-        self._hot_tried: set[str] = set()  # hot spares whose joiners failed to start (no rank: never waited for)
         self.failure: str | None = None
 
     def swapped(self) -> tuple[list[str], list[str]]:
@@ -322,7 +322,7 @@ class UnplannedRecovery(Flow):
         spare taken from the pool, no resize, no job step). False when the job has none free and
         healthy, or its joiners could not start there (stopped; the pool's spares are tried next)."""
         p = self.plan
-        hot = await self._hot_spare({*p.dead, *p.targets, *self._hot_tried})
+        hot = await self._hot_spare({*p.dead, *p.targets, *p.hot_tried})
         if hot is None:
             return False
         node = hot[0]
@@ -337,7 +337,7 @@ class UnplannedRecovery(Flow):
                                          group_world_size=int(tpl.env.get("GROUP_WORLD_SIZE", 1)))
         except TorchPassError as exc:
             self.log.warning("unplanned.hot_spare_failed", spare=node, error=str(exc))
-            self._hot_tried.add(node)
+            p.hot_tried.append(node)  # journaled with the next phase: not tried again after a restart
             await self._abort_on([node], {})
             p.hot.remove(node)
             for key in ("target", "target_addr"):
@@ -426,7 +426,7 @@ class UnplannedRecovery(Flow):
         """Nodes of the job, neither lost nor a spare of this recovery, whose launchpad has not
         reported its workers: their ranks would be missing from the new generation."""
         view, p = self.view(), self.plan
-        idle = {*view.hot_spares(), *self._hot_tried}  # run no rank: nothing of theirs to wait for
+        idle = {*view.hot_spares(), *p.hot_tried}  # run no rank: nothing of theirs to wait for
         return sorted(n for n in view.nodes if n not in p.dead and n not in p.targets and n not in p.survivors
                       and n not in p.in_place and n not in idle)
 

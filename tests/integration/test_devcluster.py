@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.devcluster import TOOL, DevCluster, instance_id_from_env
+from tests.support.ports import free_port
 
 sys.path.insert(0, str(TOOL.parent))  # the tool's own package, tpdevcluster (standard library only)
 from tpdevcluster import conffiles, hostinfo, instance
@@ -221,9 +222,9 @@ print(time.monotonic() - t0)
 """
 
 
-def transfer_seconds(cluster: DevCluster, node: str, nbytes: int, direction: str) -> float:
-    """Seconds to move ``nbytes`` out of ``node`` (to this host) or into it, timed on the node."""
-    server = socket.create_server((cluster.info["broker"]["host"], 0))
+def transfer_seconds(cluster: DevCluster, node: str, nbytes: int, direction: str, port: int = 0) -> float:
+    """Seconds to move ``nbytes`` out of ``node`` (to this host's ``port``) or into it, timed on the node."""
+    server = socket.create_server((cluster.info["broker"]["host"], port))
     server.settimeout(60)
 
     def serve() -> None:
@@ -257,6 +258,21 @@ def test_shape_limits_a_node_link_each_way_and_reset_lifts_it(devcluster: DevClu
         for direction in ("out", "in"):
             assert transfer_seconds(devcluster, "n2", 4_000_000, direction) >= 0.2, direction
         assert transfer_seconds(devcluster, "n3", 4_000_000, "in") < 0.2  # other nodes keep their speed
+    finally:
+        devcluster.reset()
+    assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["rate"] is None
+
+
+@slurm
+def test_shape_gives_each_port_group_a_link_of_its_own_out_of_the_node(devcluster: DevCluster) -> None:
+    devcluster.reset()
+    slow, other = free_port(), free_port()
+    devcluster.shape("n2", 0.1, [[slow]])  # one NIC for the flows to port ``slow``, the rest unlimited
+    try:
+        assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["rate"] == "100Mbit per port group"
+        assert transfer_seconds(devcluster, "n2", 4_000_000, "out", port=slow) >= 0.2
+        assert transfer_seconds(devcluster, "n2", 4_000_000, "out", port=other) < 0.2
+        assert transfer_seconds(devcluster, "n2", 4_000_000, "in") < 0.2  # into the node: unlimited
     finally:
         devcluster.reset()
     assert next(n for n in devcluster.info["nodes"] if n["name"] == "n2")["rate"] is None

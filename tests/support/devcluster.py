@@ -117,9 +117,10 @@ class DevCluster:
                                  "--for", str(duration)], env=self.env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
-    def shape(self, node: str, gbit: float) -> None:
-        """Limit the node's link to ``gbit`` Gbit/s each way (0: unlimited)."""
-        self.tool("shape", node, str(gbit))
+    def shape(self, node: str, gbit: float, port_groups: Sequence[Sequence[int]] = ()) -> None:
+        """Limit the node's link to ``gbit`` Gbit/s each way (0: unlimited); with ``port_groups``, a
+        link of ``gbit`` out of the node for each group of destination ports instead."""
+        self.tool("shape", node, str(gbit), *(a for g in port_groups for a in ("--ports", ",".join(map(str, g)))))
 
     def reset(self) -> None:
         """No jobs, every node healed, running, resumed and idle, spare reservation restored."""

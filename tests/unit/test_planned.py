@@ -1,6 +1,6 @@
 """The planned migration's pure decisions: reading the leaving worker's command line, the plan a
 restarted torchpassd rebuilds from the journal, the joiner's command line, the pause step, and the
-drill's verdict on a training log (resumed step, lost steps, bit-identity)."""
+drill's verdict on a training log (resumed step, lost steps, bit-identity); and where the pause ends."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.orchestrator_stubs import JOB, orchestrator
 from torchpass_common import protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError
@@ -130,3 +131,33 @@ def test_drill_verdict(tmp_path: Path, case: str) -> None:
     compare(_log(tmp_path / "run", rows, "h"), ref, rank=1, expected_step=4, report=rep)
     assert {k: getattr(rep, k) for k in expected} == expected
     assert rep.expected_step == 4
+
+
+class _SlowExit:
+    """The commander: every command succeeds at once but ``exit``, which takes ``exit_s``, as a
+    leaving worker does while it frees gigabytes of state."""
+
+    def __init__(self, exit_s: float) -> None:
+        self.exit_s = exit_s
+        self.sent: list[tuple[str, str]] = []
+
+    async def send(self, job: str, node: str, cmd: str, **kw: Any) -> dict[str, Any]:
+        self.sent.append((node, cmd))
+        if cmd == "exit":
+            await asyncio.sleep(self.exit_s)
+        return {}
+
+
+def test_the_pause_ends_when_the_job_trains_again_not_when_the_leaving_worker_has_exited(tmp_path: Path) -> None:
+    async def main() -> None:
+        commander = _SlowExit(0.6)
+        orch, journal, _ = await orchestrator(tmp_path, commander)
+        mid = journal.start_migration(JOB, mode="planned-aware", source="n1", reason="drain", gen=1)
+        plan = Plan(job=JOB, source="n1", gen=1, ranks=[0, 1], world_size=4, target="n5", survivors=["n3"],
+                    paused_at=time.time())
+        assert await PlannedMigration(orch.d, plan, mid, detected_at=time.time()).finish() == jn.SUCCEEDED
+        assert ("n1", "exit") in commander.sent and ("n5", "resume") in commander.sent
+        resumed = next(p for p in journal.migration(mid).phases if p.phase == "resumed")
+        assert resumed.detail["pause_s"] < 0.4  # not the leaving worker's 0.6 s exit
+
+    asyncio.run(main())

@@ -868,6 +868,7 @@ def test_a_hot_spare_that_cannot_start_the_joiner_gives_way_to_the_pools_spare(t
     assert status == jn.SUCCEEDED, w.journal.history()[0].error
     assert [n for n, c, _, _ in w.commander.sent if c == "abort"] == ["n6"]  # its joiners stopped; it stays
     assert w.slurm.added == ["n5"] and w.journal.history()[0].target == "n5" and not w.slurm.released
+    assert UnplannedPlan.from_record(w.journal.history()[0]).hot_tried == ["n6"]  # a restarted torchpassd skips it
     w.close()
 
 

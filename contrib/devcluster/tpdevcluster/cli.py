@@ -60,7 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     shape = sub.add_parser("shape", help="limit the node's link rate, as a real NIC would: shape NODE GBIT (0: unlimited)")
     shape.add_argument("node")
     shape.add_argument("gbit", type=float, help="Gbit/s each way; 0 removes the limit")
+    shape.add_argument("--ports", action="append", type=_ports, metavar="PORT,PORT,...",
+                       help="instead: a link of GBIT out of the node for these destination ports (repeat: one "
+                            "link per group, as one NIC per GPU); the node's other traffic unlimited")
     return p
+
+
+def _ports(text: str) -> list[int]:
+    try:
+        ports = [int(p) for p in text.split(",") if p]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of ports: {text!r}") from None
+    if not ports or not all(0 < p < 65536 for p in ports):
+        raise argparse.ArgumentTypeError(f"ports must be 1..65535, comma-separated: {text!r}")
+    return ports
 
 
 def _sayer(inst_id: int) -> cluster.Say:
@@ -151,7 +164,7 @@ def _mutate(args: argparse.Namespace, inst: Instance, say: cluster.Say) -> int:
         faults.reset(inst, say)
     elif args.cmd == "shape":
         inst.node_index(args.node)
-        faults.shape(inst, args.node, args.gbit, say)
+        faults.shape(inst, args.node, args.gbit, say, args.ports)
     elif args.cmd in ("link-down", "link-up"):
         inst.node_index(args.node)
         faults.link(inst, args.node, args.iface, args.cmd == "link-up", say)

@@ -102,12 +102,17 @@ def link_flap(inst: Instance, node: str, iface: str, period: float, duration: fl
     say(f"{node}: {iface} flapped {flips} times in {duration:g} s; up now")
 
 
-def shape(inst: Instance, node: str, gbit: float, say: Say) -> None:
-    """Limit the node's link to ``gbit`` Gbit/s each way; 0 removes the limit."""
+def shape(inst: Instance, node: str, gbit: float, say: Say, port_groups: list[list[int]] | None = None) -> None:
+    """Limit the node's link to ``gbit`` Gbit/s each way; 0 removes the limit. With ``port_groups``:
+    a link of ``gbit`` out of the node for each group of destination ports instead (one NIC per GPU)."""
     require_up(inst)
     if gbit < 0:
         raise DevClusterError(f"link rate must be positive Gbit/s or 0 (unlimited), not {gbit}",
                               instance=inst.id, node=node)
+    if port_groups and gbit:
+        netns.set_port_rates(inst, node, gbit, port_groups)
+        say(f"{node}: {len(port_groups)} links of {gbit:g} Gbit/s out, one per port group")
+        return
     netns.set_rate(inst, node, gbit or None)
     say(f"{node}: link limited to {gbit:g} Gbit/s each way" if gbit else f"{node}: link rate unlimited")
 

@@ -2,7 +2,8 @@
 bridge: eth0 on the management network (host side 10.77.<id>.1; Slurm, the broker, the nodes'
 names) and eth1 on the compute fabric (10.78.<id>.0/24, node to node only; the path the job's
 collectives take where the site config names it). Cutting and healing a node (eth0), taking one
-path down and up, limiting a node's rate (a token bucket each way, to stand for a real NIC), and
+path down and up, limiting a node's rate (a token bucket each way, to stand for a real NIC, or one
+link per group of ports out of it, to stand for one NIC per GPU), and
 the command prefix that runs a program "on" a node (its netns, hostname and /etc/hosts)."""
 
 from __future__ import annotations
@@ -110,10 +111,34 @@ def set_rate(inst: Instance, node: str, gbit: float | None) -> None:
             "latency", "50ms")
 
 
+def set_port_rates(inst: Instance, node: str, gbit: float, groups: list[list[int]]) -> None:
+    """Give each group of TCP destination ports a link of its own out of the node, ``gbit`` Gbit/s
+    each (one NIC per GPU, as on an NVL72 tray: each rank's stream on its own link): an htb class
+    per group on the node's eth0, its other traffic and everything into it unlimited. Replaces any
+    rate limit; set_rate(None) removes it."""
+    where = ("-n", inst.netns(node))
+    set_rate(inst, node, None)
+    burst = str(max(1 << 20, int(gbit * 1e9 / 8 / 100)))  # 10 ms of traffic, as set_rate's
+    _tc(*where, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+    _tc(*where, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit",
+        "quantum", "60000")
+    for cls, ports in enumerate(groups, start=2):
+        _tc(*where, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{cls}", "htb", "rate",
+            f"{gbit}gbit", "burst", burst, "cburst", burst, "quantum", "60000")
+        for port in ports:
+            _tc(*where, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", "dport", str(port), "0xffff", "flowid", f"1:{cls}")
+
+
 def link_rate(inst: Instance, node: str) -> str | None:
-    """The rate limit on the node's link as tc prints it (e.g. "8Gbit"), or None when unlimited."""
+    """The rate limit on the node's link as tc prints it (e.g. "8Gbit"; "1Gbit per port group" for
+    set_port_rates' links), or None when unlimited."""
     words = _tc("qdisc", "show", "dev", inst.veth(node), check=False).split()
-    return words[words.index("rate") + 1] if "tbf" in words and "rate" in words else None
+    if "tbf" in words and "rate" in words:
+        return words[words.index("rate") + 1]
+    classes = _tc("-n", inst.netns(node), "class", "show", "dev", "eth0", check=False).splitlines()
+    rates = {w[w.index("rate") + 1] for line in classes if " 1:1 " not in line and "rate" in (w := line.split())}
+    return f"{', '.join(sorted(rates))} per port group" if rates else None
 
 
 def link_is_up(inst: Instance, node: str, iface: str = "eth0") -> bool:
