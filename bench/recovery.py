@@ -63,6 +63,19 @@ def time_lost(report: dict[str, Any], step_s: float) -> float | None:
     return lost + max(0, report.get("lost_steps") or 0) * step_s
 
 
+def median_sample(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The drill report of median pause among ``reports`` (the lower middle one of an even count),
+    with every sample's pause in ``samples_pause_s``; a failed drill (no pause) is never the median
+    when one succeeded, and the failures are counted in ``failed_samples``."""
+    done = sorted((r for r in reports if r.get("pause_s") is not None), key=lambda r: r["pause_s"])
+    if not done:
+        return reports[0]
+    pick = dict(done[(len(done) - 1) // 2])
+    pick["samples_pause_s"] = [r.get("pause_s") for r in reports]
+    pick["failed_samples"] = len(reports) - len(done)
+    return pick
+
+
 def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
     """The headline figures from the measured parts in ``raw`` (keys baseline, modes, sizes,
     link_gbps, overhead, scale); anything not measured stays None with the reason alongside."""
@@ -116,7 +129,9 @@ def markdown(res: dict[str, Any]) -> str:
                     + f" | >= {GOAL_RATIO:.0f} |")
     for label, value in res["pause_over_floor"].items():
         rep = res["raw"]["sizes"][label]
-        detail = (f" (pause {rep['pause_s']:.2f} s, floor {rep['floor_s']:.2f} s)" if "floor_s" in rep else "")
+        samples = rep.get("samples_pause_s") or []
+        median = f"median of {len(samples)}: " if len(samples) > 1 else ""
+        detail = (f" ({median}pause {rep['pause_s']:.2f} s, floor {rep['floor_s']:.2f} s)" if "floor_s" in rep else "")
         rows.append(f"| pause_over_floor {label} | {_fmt(value)}{detail} | pause <= {GOAL_FLOOR_FACTOR:g} x floor + "
                     f"{GOAL_FLOOR_PLUS_S:g} s |")
     over = res["raw"].get("overhead") or {}
@@ -316,7 +331,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for mib in [int(x) for x in a.sizes_mib.split(",") if x]:
             label = f"{mib / 1024:g} GiB"
             why = size_fits(mib, a.size_nodes, mem_available())
-            raw["sizes"][label] = {"not_available": why} if why else _drill(cluster, work, "planned-aware", a.size_nodes, mib)
+            raw["sizes"][label] = {"not_available": why} if why else median_sample(
+                [_drill(cluster, work, "planned-aware", a.size_nodes, mib) for _ in range(a.size_reps)])
     raw["journal"] = str(work / "state" / "journal.sqlite")  # torchpassctl goodput --journal
     if "overhead" in parts:
         _part(raw, "overhead", "steady-state overhead (bench/overhead.py)",
@@ -338,6 +354,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--keep", help="a recovery.json whose parts not measured now are kept (e.g. --parts positions)")
     p.add_argument("--sizes-mib", default="256,1024,2048,4096",
                    help="extra state per rank for pause vs size (MiB; a size that does not fit in memory is skipped)")
+    p.add_argument("--size-reps", type=int, default=1,
+                   help="drills per state size; the one of median pause is reported, with every sample's pause")
     p.add_argument("--size-nodes", type=int, default=2,
                    help="nodes of the job for pause vs size (default 2: the state of every rank must fit in memory)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="baseline checkpoint interval in steps")

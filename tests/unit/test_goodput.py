@@ -162,3 +162,14 @@ def test_unplanned_time_lost_is_reported_for_every_victim_position_beside_the_co
     assert "node 2 of the job killed, a spare from the pool takes its ranks | not available" in table
     hot = recovery.markdown({**res, "raw": {**raw, "positions_hot_spares": 1}})  # bench recovery's default
     assert "node 1 of the job killed, the job's hot spare (--torchpass-spares=1) takes its ranks | 3 s" in hot
+
+
+def test_a_state_size_measured_several_times_reports_the_median_drill_and_every_sample() -> None:
+    reports = [{"pause_s": 1.9, "job_id": "a"}, {"pause_s": None, "error": "x"}, {"pause_s": 1.1, "job_id": "b"},
+               {"pause_s": 1.4, "job_id": "c"}]
+    pick = recovery.median_sample(reports)
+    assert (pick["job_id"], pick["pause_s"], pick["failed_samples"]) == ("c", 1.4, 1)
+    assert pick["samples_pause_s"] == [1.9, None, 1.1, 1.4]
+    assert recovery.median_sample([{"pause_s": None, "error": "x"}])["error"] == "x"  # all failed: says why
+    raw = {"link_gbps": 2.0, "sizes": {"1 GiB": {**pick, "bytes": 2**30}}}
+    assert "median of 4: pause 1.40 s" in recovery.markdown({**recovery.summarise(raw), "raw": raw})
