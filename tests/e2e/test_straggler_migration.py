@@ -21,7 +21,7 @@ from torchpass_common.config import derive
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
-STEPS, STEP_SLEEP = 400, 0.05
+STEPS, STEP_SLEEP = 300, 0.05  # 300: the reference run of test_link_reroute serves both
 SLOW_STEPS = 20  # [straggler] steps: how long a node must be slow before it moves
 SHARE = 0.02  # of one CPU for the throttled node's workers
 
