@@ -500,9 +500,11 @@ class PlannedMigration(Flow):
         try:
             await self.phase(REFORMED)
 
-            async def resume() -> float:  # the pause ends when every member trains again, not when the
+            async def resume() -> float:
+                """When every member trains again: the pause ends there, not once the leaving worker
+                has exited (freeing gigabytes of state takes a while)."""
                 await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
-                return time.time()  # leaving worker has exited (freeing its state takes a while)
+                return time.time()
 
             p.resumed_at, _ = await asyncio.gather(resume(), self.send(p.source, "exit", p.gen))
             p.gen_after = p.new_gen
