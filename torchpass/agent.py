@@ -1,7 +1,9 @@
-"""The worker's end of launchpad's commands. A reader thread receives commands; the training
-thread carries them out at step boundaries: it reports each step, parks after the step launchpad
-chose (before the next forward of DDP or, without DDP, of any module), and while parked saves (hand-over), re-forms, resumes or exits. A joining rank
-parks inside register() after loading the donor's state. No collective is added to any step."""
+"""The worker's end of launchpad's commands. A reader thread receives commands (and answers a
+pause for a step boundary already gone past at once); the training thread carries them out at step
+boundaries: it reports each step, parks after the step launchpad chose (before the next forward of
+DDP or, without DDP, of any module), and while parked saves (hand-over), re-forms, resumes or exits.
+A joining rank parks inside register() after loading the donor's state. No collective is added to
+any step."""
 
 from __future__ import annotations
 
@@ -62,6 +64,10 @@ class Agent:
         self.load_fn: Callable[[Any], None] | None = None
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._wake = False  # set by the reader thread; the only thing a step boundary checks
+        # Orders a pause's arrival (reader thread) against the step boundaries the training thread
+        # goes on from, and every message sent: see _too_late.
+        self._order = threading.RLock()
+        self._passed = -1  # the last step boundary this rank went on from, running (not parking there)
         self._pause: dict[str, Any] | None = None
         self._gone = False
         self.log = log.get(rank=rank)
@@ -94,10 +100,25 @@ class Agent:
             if msg is not None and msg["t"] == ac.PING:
                 self.send(ac.message(ac.PONG))
                 continue
+            if msg is not None and msg["t"] == ac.PAUSE and self._too_late(msg):
+                continue
             self._commands.put(msg if msg is not None else _GONE)
             self._wake = True
             if msg is None:
                 return
+
+    def _too_late(self, pause: dict[str, Any]) -> bool:
+        """On the reader thread: a pause for a step boundary this rank already went on from is
+        answered missed at once (launchpad fails the pause, torchpassd picks a later step or rolls
+        back, and either frees the ranks that did park there). Left to the next boundary, the answer
+        would wait for this rank's current step, whose collectives wait on those parked ranks:
+        until the collective timeout, which interrupts the job."""
+        with self._order:
+            late = self.state is WorkerState.RUNNING and pause["at_step"] <= self._passed
+            if late:
+                self.send(ac.message(ac.PAUSE_MISSED, gen=pause["gen"], step=steps.current()))
+                self.log.info("agent.pause_missed", gen=pause["gen"], at_step=pause["at_step"], step=steps.current())
+        return late
 
     def _sever(self, reason: str) -> None:
         """On the reader thread: cut the running generation's collectives (group.sever), so a
@@ -115,14 +136,15 @@ class Agent:
     # -- running ---------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> None:
         """Send to launchpad; if it is gone, note it and carry on training."""
-        self._advance(msg)
-        if self._gone:
-            return
-        try:
-            self.chan.send(msg)
-        except OSError as e:
-            self.log.error("agent.send_failed", error=str(e), kind=msg["t"])
-            self._agent_gone()
+        with self._order:  # from either thread: the state follows the messages in the order sent
+            self._advance(msg)
+            if self._gone:
+                return
+            try:
+                self.chan.send(msg)
+            except OSError as e:
+                self.log.error("agent.send_failed", error=str(e), kind=msg["t"])
+                self._agent_gone()
 
     def _advance(self, msg: dict[str, Any]) -> None:
         before = self.state
@@ -142,8 +164,12 @@ class Agent:
             if not self._layout_sent:  # once: which ranks hold this rank's state (torchpassd's donors)
                 self._layout_sent, report["replicas"] = True, self._replicas()
             self.send(report)
-        if self._wake:
-            self._serve_running(step)
+        with self._order:  # a pause that arrives after this finds the boundary passed (_too_late)
+            park_now = self._serve_running(step) if self._wake else None
+            if park_now is None and self._armed is None:
+                self._passed = step
+        if park_now is not None:
+            self._park_paused(park_now)
 
     def _replicas(self) -> list[int] | None:
         """layout.replicas, or None (unknown) if reading the layout fails: training goes on."""
@@ -153,7 +179,9 @@ class Agent:
             self.log.warning("agent.layout_unknown", error=repr(exc))
             return None
 
-    def _serve_running(self, step: int) -> None:
+    def _serve_running(self, step: int) -> int | None:
+        """Carry out what the reader thread queued; the generation to park in at once when this
+        boundary is the pause step of a script whose steps run no module forward, else None."""
         self._wake = False  # before draining, so a command queued meanwhile wakes the next boundary
         while True:
             try:
@@ -178,17 +206,18 @@ class Agent:
             elif step == at_step:
                 self._pause = None
                 self._wake = not self._commands.empty()
-                self._park_before_next_forward(gen)
+                return self._park_before_next_forward(gen)
+        return None
 
-    def _park_before_next_forward(self, gen: int) -> None:
+    def _park_before_next_forward(self, gen: int) -> int | None:
         """Park when the next iteration's forward starts, so that the script's own work after
         opt.step() (scheduler, its step variable, logging, a loss all-reduce) belongs to step S on
         every rank, the joiner included. With DDP: DDP's forward. Without (FSDP2, tensor parallel,
         a plain module): the first forward of any module. A script seen running a whole step
-        without any module forward parks at once from then on. The hook exists only until it fires."""
+        without any module forward parks at once from then on (returns ``gen`` to park in now). The
+        hook exists only until it fires."""
         if self._forwardless:
-            self._park_paused(gen)
-            return
+            return gen
         handles: list[Any] = []
 
         def before_forward(_module: Any, _inputs: Any) -> None:
@@ -203,6 +232,7 @@ class Agent:
         else:
             handles.append(register_module_forward_pre_hook(before_forward))
         self._armed = (gen, handles)
+        return None
 
     def _disarm_forwardless(self, step: int) -> None:
         """A whole step ran without the forward the pause waited for: this script's steps run no
@@ -230,6 +260,8 @@ class Agent:
             msg = self.command(deadline, "parked", "a resume", hint="launchpad lost track of this rank")
             try:
                 if self._on_parked(msg):
+                    with self._order:  # trains on from this boundary
+                        self._passed = steps.current()
                     return
             except Exception as e:  # user save() or a collective failed: report it, stay parked
                 self.error(f"{msg['t']} failed: {e}")

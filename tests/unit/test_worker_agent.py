@@ -113,16 +113,27 @@ def wait_for_command(agent: Agent) -> None:
         time.sleep(0.001)
 
 
-def test_a_pause_for_a_step_already_done_is_answered_pause_missed(setup):
+def test_a_pause_for_a_step_boundary_already_passed_is_answered_missed_at_once(setup):
+    """Without waiting for the next boundary: the rank's current step may be waiting in a collective
+    on ranks that did park at that boundary, and would wait there until the collective timeout."""
     agent, launchpad, train = setup
     launchpad.recv()  # hello
     train()
     done = steps.current()
     assert launchpad.recv() == {"t": "step", "step": done, "registered": False, "replicas": None}
-    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=done - 1))
-    wait_for_command(agent)
-    train()  # commands are acted on at the next boundary
-    assert next_reply(launchpad) == {"t": "pause_missed", "gen": 2, "step": done + 1}
+    # done: the boundary it went on from, into a step that has not ended (no train() here)
+    for at_step in (done - 1, done):
+        launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=at_step))
+        assert next_reply(launchpad) == {"t": "pause_missed", "gen": 2, "step": done}
+    assert not agent._wake  # nothing left for the next boundary: it trains on
+    launchpad.send(ac.message(ac.PAUSE, gen=2, at_step=done + 1))  # the boundary ahead: parks there
+    trainer = threading.Thread(target=train, args=(2,))
+    trainer.start()
+    assert next_reply(launchpad) == {"t": "paused", "gen": 2, "step": done + 1}
+    launchpad.send(ac.message(ac.RESUME, gen=2))
+    assert next_reply(launchpad) == {"t": "resumed", "gen": 2}
+    trainer.join(30)
+    assert not trainer.is_alive() and steps.current() == done + 2
 
 
 def test_commands_other_than_pause_and_exit_are_refused_while_running(setup):
