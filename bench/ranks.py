@@ -63,27 +63,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     raw: dict[str, Any] = {"devcluster": cluster.id, "nodes": a.nodes, "state_mib": a.state_mib,
                            "cpus": os.cpu_count(), "runs": {}, "same_bytes": {}}
 
-    def drill(name: str, nproc: int, mib: int) -> dict[str, Any]:
-        why = size_fits(mib, a.nodes * nproc, mem_available())
-        (work / name).mkdir(mode=0o755)  # a torchpassd of its own: a fresh spare pool
-        return {"not_available": why} if why else _drill(cluster, work / name, "planned-aware", a.nodes, mib,
-                                                         nproc=nproc)
-
     counts = [int(x) for x in a.nproc.split(",")]
-    nodes = [n["name"] for n in cluster.info["nodes"]]
     if a.link_gbit_per_rank:
         raw["link_gbit_per_rank"] = a.link_gbit_per_rank
-        for node in nodes:
-            cluster.shape(node, a.link_gbit_per_rank, rank_port_groups(max(counts)))
-    try:
-        for n in counts:
-            raw["runs"][str(n)] = drill(f"nproc{n}", n, a.state_mib)
-            if n > 1 and not a.no_same_bytes:
-                raw["same_bytes"][str(n)] = drill(f"nproc1-x{n}", 1, n * a.state_mib)
-    finally:
-        if a.link_gbit_per_rank:
-            for node in nodes:
-                cluster.shape(node, 0)
+
+    def drill(name: str, nproc: int, mib: int) -> dict[str, Any]:
+        why = size_fits(mib, a.nodes * nproc, mem_available())
+        if why:
+            return {"not_available": why}
+        (work / name).mkdir(mode=0o755)  # a torchpassd of its own: a fresh spare pool
+        if a.link_gbit_per_rank:  # every drill ends with a cluster reset, which lifts it
+            for node in (n["name"] for n in cluster.info["nodes"]):
+                cluster.shape(node, a.link_gbit_per_rank, rank_port_groups(max(counts)))
+        return _drill(cluster, work / name, "planned-aware", a.nodes, mib, nproc=nproc)
+
+    for n in counts:
+        raw["runs"][str(n)] = drill(f"nproc{n}", n, a.state_mib)
+        if n > 1 and not a.no_same_bytes:
+            raw["same_bytes"][str(n)] = drill(f"nproc1-x{n}", 1, n * a.state_mib)
     return raw
 
 
