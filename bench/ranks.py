@@ -46,7 +46,8 @@ def markdown(res: dict[str, Any]) -> str:
             "| 1 rank carrying the same bytes: pause (s) | pause / that pause |", "|---|---|---|---|---|---|"]
     for n in sorted({k.split("_")[-1] for k in res if k.startswith("pause_s_") and k[8:].isdigit()}, key=int):
         r = res.get(f"ratio_{n}")
-        same = "| - | - |" if n == "1" else f"| {res.get(f'pause_s_one_rank_x{n}')} | {res.get(f'ratio_same_bytes_{n}')} |"
+        same = ("| - | - |" if n == "1" or res.get(f"pause_s_one_rank_x{n}") is None
+                else f"| {res[f'pause_s_one_rank_x{n}']} | {res.get(f'ratio_same_bytes_{n}')} |")
         rows.append(f"| {n} | {res[f'pause_s_{n}']} | {res.get(f'bytes_{n}')} | "
                     f"{'1 (baseline)' if n == '1' else r} {same}")
     link = (f"; each rank's state on a link of its own of {res['link_gbit_per_rank']:g} Gbit/s out of the node "

@@ -15,7 +15,7 @@ def test_ratios_are_against_the_one_rank_pause_of_the_same_run() -> None:
     assert (res["ratio_2"], res["ratio_4"]) == (1.2, 1.55)
     assert res["pause_s_4"] == 3.1 and res["bytes_4"] == 40
     table = markdown(res)
-    assert "| 1 | 2.0 | 10 | 1 (baseline) | - | - |" in table and "| 4 | 3.1 | 40 | 1.55 | None | None |" in table
+    assert "| 1 | 2.0 | 10 | 1 (baseline) | - | - |" in table and "| 4 | 3.1 | 40 | 1.55 | - | - |" in table
 
 
 def test_n_ranks_are_also_compared_with_one_rank_carrying_their_bytes() -> None:
