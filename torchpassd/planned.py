@@ -500,14 +500,11 @@ class PlannedMigration(Flow):
         try:
             await self.phase(REFORMED)
 
-            async def resume() -> float:
-                """When every member trains again: the pause ends there, not once the leaving worker
-                has exited (freeing gigabytes of state takes a while)."""
-                await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
-                return time.time()
-
-            p.resumed_at, _ = await asyncio.gather(resume(), self.send(p.source, "exit", p.gen))
-            p.gen_after = p.new_gen
+            await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
+            p.resumed_at, p.gen_after = time.time(), p.new_gen  # every member trains again: the pause ends
+            # then the leaving worker exits: freeing gigabytes of state takes a while, and on a node
+            # shared with the members (a test machine) it would slow their resume
+            await self.send(p.source, "exit", p.gen)
             pause_s = p.resumed_at - p.paused_at
             await self.phase(RESUMED, pause_s=round(pause_s, 3), resumed_at_step=p.paused_step)
             if self.keeps_source():
