@@ -116,8 +116,7 @@ class Agent:
         with self._order:
             late = self.state is WorkerState.RUNNING and pause["at_step"] <= self._passed
             if late:
-                self.send(ac.message(ac.PAUSE_MISSED, gen=pause["gen"], step=steps.current()))
-                self.log.info("agent.pause_missed", gen=pause["gen"], at_step=pause["at_step"], step=steps.current())
+                self._missed(pause["gen"], steps.current(), at_step=pause["at_step"])
         return late
 
     def _sever(self, reason: str) -> None:
@@ -201,8 +200,7 @@ class Agent:
             gen, at_step = self._pause["gen"], self._pause["at_step"]
             if step > at_step:
                 self._pause = None
-                self.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
-                self.log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
+                self._missed(gen, step, at_step=at_step)
             elif step == at_step:
                 self._pause = None
                 self._wake = not self._commands.empty()
@@ -242,8 +240,12 @@ class Agent:
         for h in handles:
             h.remove()
         self._armed, self._forwardless = None, True
+        self._missed(gen, step, why="a step ran without any module forward")
+
+    def _missed(self, gen: int, step: int, **why: Any) -> None:
+        """Answer pause ``gen`` missed: this rank is at ``step``, past where it was asked to park."""
         self.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
-        self.log.warning("agent.pause_missed", gen=gen, step=step, why="a step ran without any module forward")
+        self.log.info("agent.pause_missed", gen=gen, step=step, **why)
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()

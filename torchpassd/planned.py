@@ -499,7 +499,6 @@ class PlannedMigration(Flow):
             return await self._reform_back(f"forming generation {p.new_gen} with {p.target} failed: {exc}")
         try:
             await self.phase(REFORMED)
-
             await asyncio.gather(*(self.send(n, "resume", p.new_gen, {"gen": p.new_gen}) for n in members))
             p.resumed_at, p.gen_after = time.time(), p.new_gen  # every member trains again: the pause ends
             # then the leaving worker exits: freeing gigabytes of state takes a while, and on a node

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_real_jobs import NODES, NPROC, STEP_SLEEP, STEPS, undisturbed
+from tests.e2e.test_real_jobs import NODES, NPROC, STEP_SLEEP, STEPS
 from tests.support.devcluster import DevCluster
-from tests.support.e2e import TIMEOUTS, Daemon, Training, sacct_state
+from tests.support.e2e import TIMEOUTS, Daemon, Training, reference_log, sacct_state
 from torchpassd.drill_report import DrillReport
 from torchpassd.drill_unplanned import judge
 
@@ -51,10 +51,7 @@ def _assert_rebuilt_in_place(torchpassd: Daemon, devcluster: DevCluster, workdir
     job.wait_done(timeout=240)
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
-    ref_steps, ref_finals = undisturbed(workdir, NODES * NPROC)
-    ref = workdir / "reference-lines.log"
-    ref.write_text("".join(json.dumps({"rank": r, "step": s, "loss": x}) + "\n" for r, s, x in ref_steps)
-                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in ref_finals.items()))
+    ref = reference_log(workdir, NODES * NPROC, STEPS)
     rep = DrillReport()
     judge(job.log, ref, victim["rank"], failed_step, offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep

@@ -6,9 +6,6 @@ progress lines exactly once (after a node died, the step that failed is replayed
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,9 +16,11 @@ from tests.support.e2e import (
     PROGRESS,
     TIMEOUTS,
     Daemon,
+    Reference,
     Training,
     assert_bit_identical,
     assert_every_line_once,
+    reference_log,
     sacct_state,
 )
 from torchpassd.drill import EXAMPLE
@@ -35,14 +34,9 @@ STEPS, STEP_SLEEP = 150, 0.2
 NODES, NPROC = 3, 2
 
 
-def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
+def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> Reference:
     """The same training on ``world`` ranks without any failure (launchpad on this machine)."""
-    log = workdir / "reference.log"
-    log.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(world),
-                    str(script), "--steps", str(STEPS), "--log", str(log)], check=True, timeout=600,
-                   capture_output=True)
-    return read_log(log)
+    return read_log(reference_log(workdir, world, STEPS, script))
 
 
 @pytest.mark.criu
@@ -133,10 +127,7 @@ def test_unplanned_kill_of_a_two_rank_node_rebuilds_both_ranks_and_ends_complete
     # active abort: survivors wherever they sat in the ring reached their checkpoint long before the timeout
     assert interrupted["interrupted_after_s"] < TIMEOUTS["collective"] / 2, interrupted
     job.wait_done(timeout=240)  # the dead node stays dead (DOWN): the job must end without it
-    ref_steps, ref_finals = undisturbed(workdir, NODES * NPROC)
-    ref = workdir / "reference-lines.log"
-    ref.write_text("".join(json.dumps({"rank": r, "step": s, "loss": x}) + "\n" for r, s, x in ref_steps)
-                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in ref_finals.items()))
+    ref = reference_log(workdir, NODES * NPROC, STEPS)
     for rank in lost:  # each rebuilt rank resumed at the failed step, every loss and hash as undisturbed
         rep = DrillReport()
         judge(job.log, ref, rank, failed_step, offset, rep)

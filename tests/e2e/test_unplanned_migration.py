@@ -88,7 +88,7 @@ def _parked(daemon: Daemon, job: str) -> list[dict]:
 
 
 def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, devcluster: DevCluster,
-                                                            tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+                                                            tp_config: Path, workdir: Path) -> None:
     devcluster.drain("n5", "spare under repair")
     job, offset = _kill_while_training(devcluster, tp_config, workdir, torchpassd)
     dead = wait_until("torchpassd to say why the job waits",
@@ -106,10 +106,7 @@ def test_no_spare_waits_with_survivors_parked_then_recovers(torchpassd: Daemon, 
     resumed = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]
     assert resumed["resumed_at_step"] == max(steps)  # parked, the survivors did not move on
     job.wait_done(timeout=180)
-    want_steps, want_finals = reference(STEPS)
-    ref = workdir / "reference.log"
-    ref.write_text("".join(json.dumps({"rank": r, "step": st, "loss": x}) + "\n" for r, st, x in want_steps)
-                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in want_finals.items()))
+    ref = reference_log(workdir, 4, STEPS)
     rep = DrillReport()
     judge(job.log, ref, VICTIM_RANK, resumed["resumed_at_step"], offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
@@ -160,7 +157,7 @@ def test_no_spare_with_fail_policy_ends_the_job_clearly(torchpassd: Daemon, devc
 
 @pytest.mark.matrix
 def test_torchpassd_sigkill_during_a_recovery_then_restart(torchpassd: Daemon, devcluster: DevCluster,
-                                                           tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+                                                           tp_config: Path, workdir: Path) -> None:
     """torchpassd SIGKILLed while it seats the dead node's rank on the spare, and started again: the
     attempt is recorded as failed by the restart, the survivors stay parked, the failure is decided
     again from the evidence and a new recovery rebuilds the rank; COMPLETED, bit-identical."""
@@ -175,10 +172,7 @@ def test_torchpassd_sigkill_during_a_recovery_then_restart(torchpassd: Daemon, d
     resumed = next(p for p in again["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
     job.wait_done(timeout=240)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
-    want_steps, want_finals = reference(STEPS)
-    ref = workdir / "reference.log"
-    ref.write_text("".join(json.dumps({"rank": r, "step": st, "loss": x}) + "\n" for r, st, x in want_steps)
-                   + "".join(json.dumps({"rank": r, "final": h}) + "\n" for r, h in want_finals.items()))
+    ref = reference_log(workdir, 4, STEPS)
     rep = DrillReport()
     judge(job.log, ref, VICTIM_RANK, resumed, offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep

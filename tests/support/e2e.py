@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -256,33 +256,41 @@ class Training:
         return read_log(self.log)
 
 
-@pytest.fixture(scope="session")
-def reference(e2e_dir: Path) -> Callable[..., tuple[list[tuple[int, int, str]], dict[int, str]]]:
-    """The example training (or ``script``) without any failure (4 workers under launchpad on this
-    machine), computed once per script and step count."""
-    cache: dict[tuple[int, Path], tuple[list[tuple[int, int, str]], dict[int, str]]] = {}
+Reference = tuple[list[tuple[int, int, str]], dict[int, str]]  # (rank, step, loss) lines, final hash per rank
+_ONCE: dict[tuple[object, ...], Any] = {}
+T = TypeVar("T")
 
-    def get(steps: int, script: Path = EXAMPLE) -> tuple[list[tuple[int, int, str]], dict[int, str]]:
-        if (steps, script) not in cache:
-            log = e2e_dir / f"reference-{script.stem}-{steps}.log"
-            log.unlink(missing_ok=True)
-            res = subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", "4",
-                                  str(script), "--steps", str(steps), "--log", str(log)],
-                                 timeout=600, capture_output=True, text=True)
-            assert res.returncode == 0, res.stderr[-3000:]
-            cache[(steps, script)] = read_log(log)
-        return cache[(steps, script)]
+
+def once_per_session(key: tuple[object, ...], make: Callable[[], T]) -> T:
+    """``make()``'s result for ``key`` (an undisturbed run's script, layout, steps), made once per test
+    session: the trainings are deterministic, so every test comparing against the same run shares it
+    (each costs 20-30 s of the suite's two cores)."""
+    if key not in _ONCE:
+        _ONCE[key] = make()
+    return _ONCE[key]
+
+
+@pytest.fixture(scope="session")
+def reference(e2e_dir: Path) -> Callable[..., Reference]:
+    """The example training (or ``script``) without any failure (4 workers under launchpad on this
+    machine), for ``steps`` steps."""
+    def get(steps: int, script: Path = EXAMPLE) -> Reference:
+        return read_log(reference_log(e2e_dir, 4, steps, script))
     return get
 
 
 def reference_log(workdir: Path, ranks: int, steps: int, script: Path = EXAMPLE) -> Path:
     """The example training (or ``script``) on ``ranks`` ranks for ``steps`` steps without a failure
-    (launchpad on this machine): its log, for shapes the ``reference`` fixture's 4 workers do not cover."""
-    log = workdir / f"reference-{ranks}.log"
-    log.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(ranks), str(script),
-                    "--steps", str(steps), "--log", str(log)], check=True, timeout=600, capture_output=True)
-    return log
+    (launchpad on this machine): its log, run once per session (kept in the first asker's ``workdir``)."""
+    def run() -> Path:
+        log = workdir / f"reference-{script.stem}-{ranks}x{steps}.log"
+        log.unlink(missing_ok=True)
+        res = subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(ranks),
+                              str(script), "--steps", str(steps), "--log", str(log)],
+                             timeout=600, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return log
+    return once_per_session(("launchpad", ranks, steps, script), run)
 
 
 PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)  # the examples' progress lines
@@ -313,8 +321,7 @@ def assert_every_line_once(job: Training) -> None:
     assert "srun: error" not in out and "Killed" not in out, out[-2000:]
 
 
-def assert_bit_identical(got: tuple[list[tuple[int, int, str]], dict[int, str]],
-                         want: tuple[list[tuple[int, int, str]], dict[int, str]], *,
+def assert_bit_identical(got: Reference, want: Reference, *,
                          killed: Collection[int] = ()) -> None:
     """Every (rank, step) loss logged exactly once and equal to the reference, same final hashes.
     ``killed``: ranks whose node was killed. A script that logs a step after its collectives
@@ -331,3 +338,4 @@ def assert_bit_identical(got: tuple[list[tuple[int, int, str]], dict[int, str]],
     assert not missing or (all(r in killed for r, _ in missing) and len(died_at) == 1), \
         f"steps missing from the log: {missing[:10]}"
     assert finals == want[1]
+
