@@ -338,4 +338,3 @@ def assert_bit_identical(got: Reference, want: Reference, *,
     assert not missing or (all(r in killed for r, _ in missing) and len(died_at) == 1), \
         f"steps missing from the log: {missing[:10]}"
     assert finals == want[1]
-
