@@ -242,10 +242,15 @@ class Agent:
         self._armed, self._forwardless = None, True
         self._missed(gen, step, why="a step ran without any module forward")
 
-    def _missed(self, gen: int, step: int, **why: Any) -> None:
-        """Answer pause ``gen`` missed: this rank is at ``step``, past where it was asked to park."""
+    def _missed(self, gen: int, step: int, *, at_step: int | None = None, why: str | None = None) -> None:
+        """Answer pause ``gen`` missed: this rank is at ``step``, past ``at_step`` where it was asked
+        to park. A ``why`` is something the user's script does (a warning); a pause that arrived a
+        step late is routine (info): torchpassd asks again."""
         self.send(ac.message(ac.PAUSE_MISSED, gen=gen, step=step))
-        self.log.info("agent.pause_missed", gen=gen, step=step, **why)
+        if why is not None:
+            self.log.warning("agent.pause_missed", gen=gen, step=step, why=why)
+        else:
+            self.log.info("agent.pause_missed", gen=gen, at_step=at_step, step=step)
 
     def _park_paused(self, gen: int) -> None:
         step = steps.current()
