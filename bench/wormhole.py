@@ -1,5 +1,6 @@
 """Wormhole throughput against raw TCP, measured in one run between the same two endpoints:
-plain sendall / recv_into of a pre-touched bytearray versus ``send_state`` of a model-like state
+the wormhole's own TCP streams moving a pre-touched bytearray in the wormhole's pieces (``raw``: the
+same sockets and system calls, no protocol, no checksum) versus ``send_state`` of a model-like state
 (embedding + transformer layers, 2 GiB by default) into a pre-faulted template, for 1 and 2
 streams. Endpoints are two child processes, on loopback or (``--devcluster``) in nodes n1 and n2.
 ``python -m bench wormhole --json`` prints {"ratio": wormhole/raw at the most streams, ...}, and
@@ -9,9 +10,9 @@ raw CPU / wormhole CPU is the steadier figure). ``cpu_bound_ceiling`` is the bes
 transfer that checksums every byte on both ends can reach on such a CPU-bound path (raw's CPU plus
 the two checksums' own cost, measured in the same run); it does not apply where a link is the limit.
 Measured on the 2-core dev VM (both endpoints share its two cores): the ceiling is 0.85 at 2
-streams and 0.89 at 1, the wormhole reaches 0.65-0.9 of raw; the receiver costs about what raw
-recv_into does plus its checksum, the sender raw sendall plus its checksum reading the state from
-memory and some kernel time.
+streams and 0.89 at 1, the wormhole reaches 0.65-0.9 of raw. A profile of both (perf, 15 transfers
+each) puts the whole difference in the two checksums, which run at about 11 GB/s while the kernel's
+copies share the memory bus, not the 18-42 GB/s they reach alone (what the ceiling assumes).
 ``--devcluster --link-gbit R`` limits the receiving node's link to R Gbit/s (``devcluster shape``)
 for the run, so both are bound by a link, as between two trays, not by this machine's CPUs.
 Goals: link-bound, ratio >= 0.95; CPU-bound (loopback), ratio >= 0.9 x cpu_bound_ceiling. With
@@ -23,7 +24,6 @@ import argparse
 import json
 import resource
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from launchpad.wormhole import StateReceiver, send_state
+from launchpad.wormhole import StateReceiver, TcpTransport, send_state
+from launchpad.wormhole.transport import Listener, Stream
 from launchpad.wormhole.wire import PIECE, checksum
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,19 +66,17 @@ def _ranges(total: int, streams: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, total)) for lo in range(0, total, step)]
 
 
-def _raw_serve(sock: socket.socket, buf: memoryview, streams: int) -> None:
-    conns = [sock.accept()[0] for _ in range(streams)]
+def _raw_serve(listener: Listener, buf: memoryview, streams: int) -> None:
+    conns = [listener.accept(IO_TIMEOUT) for _ in range(streams)]
 
-    def one(conn: socket.socket) -> None:
-        conn.settimeout(IO_TIMEOUT)
-        lo, hi = _ranges(len(buf), streams)[int.from_bytes(conn.recv(1), "big")]
-        view = buf[lo:hi]
-        while len(view):
-            view = view[conn.recv_into(view, min(len(view), 1 << 26)):]
-        conn.sendall(b"k")
+    def one(conn: Stream) -> None:
+        lo, hi = _ranges(len(buf), streams)[conn.recv_exact(1)[0]]
+        for piece in range(lo, hi, PIECE):
+            conn.recv_into(buf[piece:min(piece + PIECE, hi)])
+        conn.send(b"k")
         conn.close()
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in conns]
+    threads = [threading.Thread(target=one, args=(c,)) for c in conns if c is not None]
     for t in threads:
         t.start()
     for t in threads:
@@ -86,13 +85,15 @@ def _raw_serve(sock: socket.socket, buf: memoryview, streams: int) -> None:
 
 def _raw_send(host: str, port: int, buf: memoryview, streams: int) -> float:
     t0 = time.perf_counter()
-    conns = [socket.create_connection((host, port), timeout=IO_TIMEOUT) for _ in range(streams)]
+    transport = TcpTransport(IO_TIMEOUT)
+    conns = [transport.connect(host, port, IO_TIMEOUT) for _ in range(streams)]
 
-    def one(i: int, conn: socket.socket) -> None:
-        conn.sendall(bytes([i]))
+    def one(i: int, conn: Stream) -> None:
         lo, hi = _ranges(len(buf), streams)[i]
-        conn.sendall(buf[lo:hi])
-        assert conn.recv(1) == b"k"
+        conn.send(bytes([i]))
+        for piece in range(lo, hi, PIECE):
+            conn.send(buf[piece:min(piece + PIECE, hi)])
+        assert conn.recv_exact(1) == b"k"
         conn.close()
 
     threads = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(conns)]
@@ -137,11 +138,11 @@ def _role_receiver(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         kind, streams = line.split()[0], int(line.split()[1])
         if kind == "raw":
-            sock = socket.create_server((args.host, 0))
-            print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
+            listener = TcpTransport(IO_TIMEOUT).listen(args.host, 0)
+            print(json.dumps({"port": listener.port}), flush=True)
             cpu0 = _cpu()
-            _raw_serve(sock, raw, streams)
-            sock.close()
+            _raw_serve(listener, raw, streams)
+            listener.close()
             print(json.dumps({"cpu": _cpu() - cpu0}), flush=True)
             continue
         template = None if kind == "fresh" else state
