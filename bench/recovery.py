@@ -2,7 +2,8 @@
 ($TORCHPASS_DEVCLUSTER_ID): the raw link throughput between two nodes (bench/wormhole.py's raw
 baseline), the checkpoint-restart baseline (bench/_restart.py), the time TorchPass loses per failure
 in each drill mode (torchpassctl drill's code, against a torchpassd started here), the pause against
-state size (the example's --state-mib) versus the transfer floor, the steady-state overhead
+state size (the example's --state-mib) versus the transfer floor (the raw link throughput measured
+again right before each size's drills: on this VM it wanders by a third within a run), the steady-state overhead
 (bench/overhead.py) and the orchestrator at 1,152 simulated nodes (bench/scale.py). Prints JSON
 (--json), writes recovery.json, recovery.md and recovery.png (pause vs state size) to --outdir."""
 
@@ -94,8 +95,8 @@ def summarise(raw: dict[str, Any], interval_s: float = 600.0) -> dict[str, Any]:
         lost = rep["time_lost_s"] = time_lost(rep, base.get("step_s", 0.0))
         out["restart_over_pause"][mode] = _round(ratio(restart, lost)) if lost else rep.get("not_available")
         out["restart_over_pause_measured"][mode] = _round(ratio(base.get("time_lost_s"), lost)) if lost else None
-    gbps = raw.get("link_gbps")
     for label, rep in raw.get("sizes", {}).items():
+        gbps = rep.get("link_gbps") or raw.get("link_gbps")  # the floor measured right before its drills
         if rep.get("pause_s") is None or not gbps:
             out["pause_over_floor"][label] = rep.get("not_available") or rep.get("error")
             continue
@@ -131,7 +132,8 @@ def markdown(res: dict[str, Any]) -> str:
         rep = res["raw"]["sizes"][label]
         samples = rep.get("samples_pause_s") or []
         median = f"median of {len(samples)}: " if len(samples) > 1 else ""
-        detail = (f" ({median}pause {rep['pause_s']:.2f} s, floor {rep['floor_s']:.2f} s)" if "floor_s" in rep else "")
+        link = f" at {rep['link_gbps']:.2f} GB/s" if rep.get("link_gbps") else ""
+        detail = (f" ({median}pause {rep['pause_s']:.2f} s, floor {rep['floor_s']:.2f} s{link})" if "floor_s" in rep else "")
         rows.append(f"| pause_over_floor {label} | {_fmt(value)}{detail} | pause <= {GOAL_FLOOR_FACTOR:g} x floor + "
                     f"{GOAL_FLOOR_PLUS_S:g} s |")
     over = res["raw"].get("overhead") or {}
@@ -165,15 +167,15 @@ def plot(res: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = sorted((r["bytes"] / 2**30, r["pause_s"]) for r in res["raw"].get("sizes", {}).values() if r.get("pause_s") is not None)
+    pts = sorted((r["bytes"] / 2**30, r["pause_s"], r.get("floor_s")) for r in res["raw"].get("sizes", {}).values()
+                 if r.get("pause_s") is not None)
     fig, ax = plt.subplots(figsize=(6, 4))
-    gbps = res["raw"].get("link_gbps")
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="TorchPass pause (planned-aware)")
-    if gbps and pts:
-        xs = [0.0, max(p[0] for p in pts) * 1.05]
-        floor = [x * 2**30 / (gbps * 1e9) for x in xs]
-        ax.plot(xs, floor, "--", label=f"transfer floor ({gbps:.2f} GB/s raw TCP)")
+    floors = [(p[0], p[2]) for p in pts if p[2] is not None]
+    if floors:
+        xs, floor = [f[0] for f in floors], [f[1] for f in floors]
+        ax.plot(xs, floor, "--", label="transfer floor (raw TCP n1 -> n2, measured before each size)")
         ax.plot(xs, [GOAL_FLOOR_FACTOR * f + GOAL_FLOOR_PLUS_S for f in floor], ":", label=f"goal: {GOAL_FLOOR_FACTOR:g} x floor + {GOAL_FLOOR_PLUS_S:g} s")
     ax.set_xlabel("state per rank (GiB)")
     ax.set_ylabel("seconds")
@@ -308,9 +310,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "positions" in parts:
         raw["positions_hot_spares"] = a.hot_spares
     streams = WormholeConfig().streams
+    def link() -> dict[str, Any]:
+        return wormhole.main(["--devcluster", "--gib", str(a.link_gib), "--reps", "3", "--streams", str(streams)])
+
     if "wormhole" in parts:
-        _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", lambda: wormhole.main(
-            ["--devcluster", "--gib", str(a.link_gib), "--reps", "1", "--streams", str(streams)]))
+        _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", link)
         raw["link_gbps"] = raw["wormhole"].get(f"raw_s{streams}_gbps")
     if "baseline" in parts:
         _part(raw, "baseline", f"checkpoint-restart baseline ({a.nodes} nodes)", lambda: _restart.run(
@@ -331,8 +335,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for mib in [int(x) for x in a.sizes_mib.split(",") if x]:
             label = f"{mib / 1024:g} GiB"
             why = size_fits(mib, a.size_nodes, mem_available())
-            raw["sizes"][label] = {"not_available": why} if why else median_sample(
+            if why:
+                raw["sizes"][label] = {"not_available": why}
+                continue
+            # this VM's link speed wanders by a third within a run: the floor is measured next to the drills
+            floor = {}
+            _part(floor, "link", f"raw TCP throughput n1 -> n2 before the {label} drills", link)
+            raw["sizes"][label] = median_sample(
                 [_drill(cluster, work, "planned-aware", a.size_nodes, mib) for _ in range(a.size_reps)])
+            raw["sizes"][label]["link_gbps"] = floor["link"].get(f"raw_s{streams}_gbps")
     raw["journal"] = str(work / "state" / "journal.sqlite")  # torchpassctl goodput --journal
     if "overhead" in parts:
         _part(raw, "overhead", "steady-state overhead (bench/overhead.py)",

@@ -173,3 +173,15 @@ def test_a_state_size_measured_several_times_reports_the_median_drill_and_every_
     assert recovery.median_sample([{"pause_s": None, "error": "x"}])["error"] == "x"  # all failed: says why
     raw = {"link_gbps": 2.0, "sizes": {"1 GiB": {**pick, "bytes": 2**30}}}
     assert "median of 4: pause 1.40 s" in recovery.markdown({**recovery.summarise(raw), "raw": raw})
+
+
+def test_a_state_size_is_judged_against_the_floor_measured_next_to_its_drills() -> None:
+    # the run-wide link said 1 GB/s; right before the 1 GiB drills it moved 2 GB/s: that floor counts
+    raw = {"link_gbps": 1.0, "sizes": {"1 GiB": {"pause_s": 1.6, "bytes": 2 * 10**9, "link_gbps": 2.0},
+                                       "model only": {"pause_s": 0.3, "bytes": 10**8}}}
+    res = recovery.summarise(raw)
+    # 1.6 s > 1.2 x 1.0 + 0.3 (against the run-wide floor of 2 s it would have passed)
+    assert raw["sizes"]["1 GiB"]["floor_s"] == 1.0 and not raw["sizes"]["1 GiB"]["within_goal"]
+    assert raw["sizes"]["model only"]["floor_s"] == 0.1  # no floor of its own: the run-wide one
+    assert res["pause_over_floor"] == {"1 GiB": 1.6, "model only": 3.0}
+    assert "pause 1.60 s, floor 1.00 s at 2.00 GB/s" in recovery.markdown({**res, "raw": raw})
