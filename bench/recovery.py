@@ -310,6 +310,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "positions" in parts:
         raw["positions_hot_spares"] = a.hot_spares
     streams = WormholeConfig().streams
+
     def link() -> dict[str, Any]:
         return wormhole.main(["--devcluster", "--gib", str(a.link_gib), "--reps", "3", "--streams", str(streams)])
 

@@ -68,6 +68,9 @@ def _ranges(total: int, streams: int) -> list[tuple[int, int]]:
 
 def _raw_serve(listener: Listener, buf: memoryview, streams: int) -> None:
     conns = [listener.accept(IO_TIMEOUT) for _ in range(streams)]
+    if None in conns:
+        raise RuntimeError(f"the raw sender opened {streams - conns.count(None)} of {streams} streams "
+                           f"in {IO_TIMEOUT:g} s")
 
     def one(conn: Stream) -> None:
         lo, hi = _ranges(len(buf), streams)[conn.recv_exact(1)[0]]
@@ -76,7 +79,7 @@ def _raw_serve(listener: Listener, buf: memoryview, streams: int) -> None:
         conn.send(b"k")
         conn.close()
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in conns if c is not None]
+    threads = [threading.Thread(target=one, args=(c,)) for c in conns]
     for t in threads:
         t.start()
     for t in threads:
