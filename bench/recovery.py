@@ -312,7 +312,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     streams = WormholeConfig().streams
 
     def link() -> dict[str, Any]:
-        return wormhole.main(["--devcluster", "--gib", str(a.link_gib), "--reps", "3", "--streams", str(streams)])
+        return wormhole.main(["--devcluster", "--gib", str(a.link_gib), "--reps", "5", "--streams", str(streams)])
 
     if "wormhole" in parts:
         _part(raw, "wormhole", "raw TCP throughput n1 -> n2 (bench/wormhole.py raw baseline)", link)
@@ -372,7 +372,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                    help="nodes of the job for pause vs size (default 2: the state of every rank must fit in memory)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="baseline checkpoint interval in steps")
     p.add_argument("--interval-s", type=float, default=600.0, help="checkpoint interval to extrapolate to (s)")
-    p.add_argument("--link-gib", type=float, default=0.5, help="bytes for the raw link measurement (GiB)")
+    p.add_argument("--link-gib", type=float, default=1.0, help="bytes for the raw link measurement (GiB)")
     p.add_argument("--overhead-rounds", type=int, default=10)
     p.add_argument("--racks", type=int, default=64, help="racks of 18 trays in the scale simulation")
     p.add_argument("--outdir", default=str(ROOT / "bench" / "results"))
