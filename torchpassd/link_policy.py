@@ -8,7 +8,9 @@ has been up ``hold_down`` seconds and none is flapping (``flap_transitions`` cha
 or a site without a fallback, has its ranks migrated like a drain once it has been without a path
 for ``hold_down`` seconds: a heartbeat sent during a short partition can arrive after it healed
 (TCP delivers it late), and a blip must not cost a spare. Jobs that chose their own interface
-(GLOO_SOCKET_IFNAME in their environment) are left alone.
+(GLOO_SOCKET_IFNAME in their environment) are left alone. While a node that ran the job's ranks has
+stopped (its launchpad gone, the job ending or a node lost to a recovery) nothing is decided: its
+link's history would be left out of the judgement.
 
 The rule is a pure function (``decide``); ``PathWatch`` keeps each node's fabric history from the
 heartbeats and hands decisions to the orchestrator. It moves nothing itself."""
@@ -117,6 +119,7 @@ class PathWatch:
         self._fabric: dict[str, dict[str, LinkHistory]] = {}  # job -> node -> its fabric link
         self._fallback: dict[str, dict[str, LinkHistory]] = {}  # job -> node -> its fallback link
         self._flapping: set[tuple[str, str]] = set()  # logged once per episode
+        self._ranked: dict[str, set[str]] = {}  # job -> nodes seen running its ranks (until emptied or gone)
         self._log = log.get()
 
     def on_heartbeat(self, job: str, node: str, body: Mapping[str, Any]) -> None:
@@ -145,6 +148,9 @@ class PathWatch:
         view = self.view(job)
         training = {n for n, lp in view.launchpads.items() if lp.online and lp.workers and n not in view.emptied}
         fabric = {n: h for n, h in self._fabric.get(job, {}).items() if n in training}
+        ranked = self._ranked.setdefault(job, set())
+        ranked |= training
+        ranked -= {n for n in ranked if n in view.emptied or (view.nodes and n not in view.nodes)}
         for node, hist in fabric.items():
             key, flapping = (job, node), hist.flapping(self.cfg, now)
             if flapping and key not in self._flapping:
@@ -152,10 +158,13 @@ class PathWatch:
                                   changes=len(hist.changes), window_s=self.cfg.flap_window,
                                   effect="the job stays on the fallback until the link is quiet")
             (self._flapping.add if flapping else self._flapping.discard)(key)
+        if ranked - training:  # judging without it would forget its link (a flapping one: a return mid-flap)
+            return  # a node of the job stopped running ranks: the job is ending or a recovery is the answer
         for decision in decide(job, view.path, fabric, self._fallback.get(job, {}), self.cfg, now):
             self.act(decision)
 
     def job_ended(self, job: str) -> None:
         self._fabric.pop(job, None)
         self._fallback.pop(job, None)
+        self._ranked.pop(job, None)
         self._flapping = {k for k in self._flapping if k[0] != job}

@@ -147,3 +147,29 @@ def test_a_late_heartbeat_from_a_short_partition_moves_nothing() -> None:
         now[0] = t
         watch.on_heartbeat("7", "n2", heartbeat(False, 3, fallback=False))
     assert [(d.action, d.node) for d in decisions] == [(MIGRATE, "n2")]
+
+
+def test_a_node_whose_ranks_stop_holds_every_decision_until_it_leaves_the_job() -> None:
+    """Found by CI: the job ended while n2's fabric link was damped (flapping); n2's launchpad left
+    first, and judging the three others alone returned the job to the fabric mid-flap, as it
+    ended. Nothing is decided until n2 is back or out of the job."""
+    view = JobView("7", user="u", nodes=("n1", "n2", "n3"))
+    for n in ("n1", "n2", "n3"):
+        view.launchpads[n] = Launchpad(n, online=True, workers=[{"rank": 0}], path="eth0")
+    decisions: list[Decision] = []
+    now = [0.0]
+    watch = PathWatch(CFG, lambda job: view, decisions.append, clock=lambda: now[0])
+    for n in ("n1", "n3"):
+        watch.on_heartbeat("7", n, heartbeat(True, 0))
+    for t, count in ((1.0, 1), (3.0, 3), (5.0, 5)):  # flapping, now up
+        now[0] = t
+        watch.on_heartbeat("7", "n2", heartbeat(True, count))
+    now[0] = 20.0
+    watch.on_heartbeat("7", "n1", heartbeat(True, 0))
+    assert decisions == [], "damped: stays on the fallback"
+    view.launchpads["n2"].online, view.launchpads["n2"].workers = False, []  # its ranks ended, its launchpad left
+    watch.on_heartbeat("7", "n1", heartbeat(True, 0))
+    assert decisions == [], "decided without n2's flapping link"
+    view.nodes = ("n1", "n3")  # n2 out of the job (a recovery replaced it): the others are judged alone
+    watch.on_heartbeat("7", "n1", heartbeat(True, 0))
+    assert [(d.action, d.ifname) for d in decisions] == [(RETURN, "eth1")]
