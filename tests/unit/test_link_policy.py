@@ -103,13 +103,19 @@ def heartbeat(carrier: bool, changes: int, fallback: bool = True) -> dict[str, A
                                                 "eth0": {"carrier": fallback, "changes": 0}}}
 
 
-def test_the_watch_reroutes_from_heartbeats_and_only_judges_nodes_running_the_job() -> None:
-    view = JobView("7", user="u", nodes=("n1", "n2", "n3"))
-    for n in ("n1", "n2", "n3"):
-        view.launchpads[n] = Launchpad(n, online=True, workers=[{"rank": 0}], path="eth1")
+def watched(nodes: tuple[str, ...], path: str = "eth1") -> tuple[JobView, list[Decision], list[float], PathWatch]:
+    """Job 7 training on ``nodes`` (one rank each, collectives on ``path``), the watch judging it on
+    a clock the test sets (``now[0]``), and the decisions it made."""
+    view = JobView("7", user="u", nodes=nodes)
+    for n in nodes:
+        view.launchpads[n] = Launchpad(n, online=True, workers=[{"rank": 0}], path=path)
     decisions: list[Decision] = []
     now = [0.0]
-    watch = PathWatch(CFG, lambda job: view, decisions.append, clock=lambda: now[0])
+    return view, decisions, now, PathWatch(CFG, lambda job: view, decisions.append, clock=lambda: now[0])
+
+
+def test_the_watch_reroutes_from_heartbeats_and_only_judges_nodes_running_the_job() -> None:
+    view, decisions, now, watch = watched(("n1", "n2", "n3"))
     for n in ("n1", "n2", "n3"):
         watch.on_heartbeat("7", n, heartbeat(True, 0))
     assert decisions == []
@@ -128,12 +134,7 @@ def test_a_late_heartbeat_from_a_short_partition_moves_nothing() -> None:
     """Found by the soak: a node cut off for 2.5 s (both paths down) heartbeats during the cut; TCP
     delivers that heartbeat once the cut healed, just before the fresh ones. It must not migrate the
     node; a node that really stays without a path is migrated once the hold-down passed."""
-    view = JobView("7", user="u", nodes=("n1", "n2"))
-    for n in ("n1", "n2"):
-        view.launchpads[n] = Launchpad(n, online=True, workers=[{"rank": 0}], path="eth1")
-    decisions: list[Decision] = []
-    now = [0.0]
-    watch = PathWatch(CFG, lambda job: view, decisions.append, clock=lambda: now[0])
+    _, decisions, now, watch = watched(("n1", "n2"))
     for n in ("n1", "n2"):
         watch.on_heartbeat("7", n, heartbeat(True, 0))
     now[0] = 30.0
@@ -153,12 +154,7 @@ def test_a_node_whose_ranks_stop_holds_every_decision_until_it_leaves_the_job() 
     """Found by CI: the job ended while n2's fabric link was damped (flapping); n2's launchpad left
     first, and judging the three others alone returned the job to the fabric mid-flap, as it
     ended. Nothing is decided until n2 is back or out of the job."""
-    view = JobView("7", user="u", nodes=("n1", "n2", "n3"))
-    for n in ("n1", "n2", "n3"):
-        view.launchpads[n] = Launchpad(n, online=True, workers=[{"rank": 0}], path="eth0")
-    decisions: list[Decision] = []
-    now = [0.0]
-    watch = PathWatch(CFG, lambda job: view, decisions.append, clock=lambda: now[0])
+    view, decisions, now, watch = watched(("n1", "n2", "n3"), path="eth0")
     for n in ("n1", "n3"):
         watch.on_heartbeat("7", n, heartbeat(True, 0))
     for t, count in ((1.0, 1), (3.0, 3), (5.0, 5)):  # flapping, now up
