@@ -289,6 +289,10 @@ class TorchPassGroup(dist.ProcessGroup):
         if self._inner is not None:
             self._inner.shutdown()
 
+    def sockets(self) -> set[str]:
+        """The connections of this generation's inner groups, this group's and its subgroups'."""
+        return set(self._sockets).union(*(sub.sockets() for sub in self.subgroups))
+
     def release(self) -> None:
         """Shut the inner group down and drop it, so its sockets close (shutdown() alone leaves
         gloo's listening socket open): what a worker does before criu moves it. Until the next

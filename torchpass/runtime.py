@@ -5,12 +5,13 @@ exactly as under plain torchrun."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
 from typing import Any
 
-from torchpass import ddp_layout, default_group, recovery, steps
+from torchpass import ddp_layout, default_group, recovery, severing, steps
 from torchpass.agent import Agent
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
@@ -36,6 +37,19 @@ def activate() -> None:
     _agent = Agent(ac.SyncChannel.connect(path), rank=int(os.environ.get("RANK", "0")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), joining=joining, timeouts=timeouts)
     _agent.start()
+    os.register_at_fork(after_in_child=_drop_parent_connections)
+
+
+def _drop_parent_connections() -> None:
+    """In a process forked from this worker (a DataLoader's worker, a fork-started helper): the
+    worker's connections (its process groups', its launchpad channel) are not the child's to use;
+    its copies are disowned, so the worker's process tree can be moved by criu (severing.disown)."""
+    group = default_group.group()
+    held = group.sockets() if group is not None else set()
+    if _agent is not None:
+        with contextlib.suppress(OSError):  # closed meanwhile (a worker detached for a move)
+            held.add(_agent.chan.socket_name())
+    severing.disown(held)
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -9,8 +9,10 @@ noted when it is built (the stream sockets this process gained meanwhile, by ino
 ``shutdown()``: gloo keeps owning the descriptors, and its pending and later collectives fail at
 once with "Connection closed by peer". Listening sockets are never touched (gloo's accept loop
 ends the process on a shut-down listener). NCCL is aborted through its own ``abort()``
-(ncclCommAbort), which frees a waiting collective. This module owns the socket bookkeeping;
-when to cut is the worker agent's business, which groups to cut is group.py's."""
+(ncclCommAbort), which frees a waiting collective. A process forked from a worker (a DataLoader's
+worker) gets copies of those sockets it never uses; ``disown`` points them at /dev/null there.
+This module owns the socket bookkeeping; when to cut is the worker agent's business, which groups
+to cut is group.py's."""
 
 from __future__ import annotations
 
@@ -54,4 +56,25 @@ def cut(inodes: set[str]) -> int:
                 count += 1
             except OSError:  # already shut down, or never connected
                 continue
+    return count
+
+
+def disown(inodes: set[str]) -> int:
+    """In a process forked from a worker: point every descriptor of a socket among ``inodes`` at
+    /dev/null (returns how many). The parent's connections stay whole (only this copy goes), and a
+    criu move of the worker's process tree no longer finds, in its children, a listening socket
+    bound to the old node's address (which cannot be bound on the spare). /dev/null rather than a
+    close: the objects that own the descriptors may still close them, and must not close a reused one."""
+    if not inodes:
+        return 0
+    count = 0
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in os.listdir(_FD_DIR):
+            with contextlib.suppress(OSError):
+                if int(fd) != null and os.readlink(f"{_FD_DIR}/{fd}") in inodes:
+                    os.dup2(null, int(fd), inheritable=False)
+                    count += 1
+    finally:
+        os.close(null)
     return count

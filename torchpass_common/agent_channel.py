@@ -9,6 +9,7 @@ It does not decide what a message means: torchpass and launchpad do.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
@@ -195,6 +196,10 @@ class SyncChannel:
 
     def close(self) -> None:
         self._sock.close()
+
+    def socket_name(self) -> str:
+        """The connection as /proc names it (``socket:[inode]``)."""
+        return f"socket:[{os.fstat(self._sock.fileno()).st_ino}]"
 
 
 class AsyncChannel:

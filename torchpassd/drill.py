@@ -66,6 +66,7 @@ class Drill:
         transparent = mode == drill_transparent.MODE  # a script without TorchPass code, moved by criu
         self.script = drill_transparent.SCRIPT if transparent else EXAMPLE
         self.sbatch_mode = drill_transparent.SBATCH_MODE if transparent else "aware"
+        self.script_args = drill_transparent.SCRIPT_ARGS if transparent else ()
 
     def _wait(self, what: str, check: Callable[[], Any], timeout: float | None = None) -> Any:
         deadline = time.monotonic() + (timeout or self.s.timeout)
@@ -131,7 +132,8 @@ class Drill:
         script = workdir / "drill.sh"
         script.write_text(_JOB_SCRIPT.format(
             nproc=s.nproc, nodes="$SLURM_NNODES" if s.hot_spares else s.nodes, port=s.rdzv_port, example=self.script,
-            args=f"--steps {s.steps} --step-sleep {s.step_sleep}" + (f" --state-mib {s.state_mib}" if s.state_mib else ""),
+            args=" ".join([*self.script_args, "--steps", str(s.steps), "--step-sleep", str(s.step_sleep),
+                           *(["--state-mib", str(s.state_mib)] if s.state_mib else [])]),
             log=workdir / "train.log"))
         hot = [f"--torchpass-spares={s.hot_spares}"] if s.hot_spares else []
         out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", *hot, f"-N{s.nodes + s.hot_spares}",
@@ -235,7 +237,7 @@ class Drill:
     def _reference(self, log: Path) -> None:
         s = self.s
         argv = [sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(s.nodes * s.nproc),
-                str(self.script), "--steps", str(s.steps), "--log", str(log)]
+                str(self.script), *self.script_args, "--steps", str(s.steps), "--log", str(log)]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.s.timeout, check=False)
         except subprocess.TimeoutExpired:

@@ -2,7 +2,9 @@
 a DistributedSampler, init_process_group, DDP and a loop over epochs. Under ``sbatch --torchpass=transparent``
 TorchPass moves its worker processes with criu (torchpassctl drill --mode planned-transparent).
 Run: ``torchrun --nproc-per-node 2 ddp_tutorial.py --steps 100``. ``--log FILE`` writes one JSON line
-per step (rank, step, loss as float.hex) and a final parameter hash, like ddp_train.py."""
+per step (rank, step, loss as float.hex) and a final parameter hash, like ddp_train.py.
+``--num-workers N`` loads batches in N DataLoader worker processes (``--worker-start fork|spawn``,
+``--persistent-workers``), as nearly every training script does: a transparent move takes them along."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     ap.add_argument("--log", help="append per-step JSON lines here")
+    ap.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    ap.add_argument("--worker-start", choices=("fork", "spawn"), default="fork", help="their start method")
+    ap.add_argument("--persistent-workers", action="store_true", help="keep them across epochs")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -47,7 +52,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g))
     sampler = DistributedSampler(data, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    workers = {"num_workers": args.num_workers, "multiprocessing_context": args.worker_start,
+               "persistent_workers": args.persistent_workers} if args.num_workers else {}
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, **workers)
     log = open(args.log, "a", buffering=1) if args.log else None  # noqa: SIM115 - closed at the end
 
     step, epoch = 0, 0
