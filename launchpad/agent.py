@@ -178,7 +178,7 @@ class Agent:
         """How long a worker killed by a signal is held for torchpassd to rebuild it in place: under a
         model-aware TorchPass job, the orchestrator's decision time; otherwise 0 (torchrun's rule:
         the round fails at once). Transparent jobs register no state to rebuild a rank from."""
-        return self.timeouts.decision if self.spec.job and not movable.movable() else 0.0
+        return self.timeouts.decision if self.spec.job and not movable.transparent() else 0.0
 
     def _remote_failure(self, rnd: int, nnodes: int) -> Callable[[], Awaitable[str | None]]:
         """A coroutine function the supervisor calls each tick: another node's failure report."""

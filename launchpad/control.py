@@ -92,6 +92,7 @@ class ControlPlane:
                      else lk.state if lk else WorkerState.STARTING)
             workers.append({"rank": lk.rank if lk else w.rank, "step": lk.step if lk else 0, "state": state,
                             "pid": w.pid, "joining": bool(lk and lk.joining),
+                            "registered": bool(lk and lk.registered), "movable": w.control is not None,
                             **({"exit_code": w.returncode} if w.returncode is not None else {}),
                             **({"frozen_s": round(group.frozen[w.pid], 1)} if w.pid in group.frozen else {}),
                             **({"busy_s": round(lk.busy_s, 5)} if lk and lk.busy_s is not None else {}),

@@ -118,9 +118,9 @@ class WorkerGroup:
 
     def keep_standby(self) -> None:
         """Start standbys in the background (up to ``standbys_wanted``) where a crashed rank may be
-        rebuilt here: crashes are held (a model-aware job) and workers run the bootstrap (not
-        --no-python, not movable)."""
-        if self.hold_s > 0 and not movable.movable() and not self.spec.no_python and not self._standby_starting:
+        rebuilt here: crashes are held (not a transparent job) and workers run the bootstrap (not
+        --no-python). A worker made of a standby is not movable: the job it rebuilds a rank of registered."""
+        if self.hold_s > 0 and not movable.transparent() and not self.spec.no_python and not self._standby_starting:
             self._standby_task = asyncio.create_task(self._start_standbys())
 
     @property

@@ -1,11 +1,15 @@
-"""How a transparent job's workers start so that criu can move them later (criu_hooks.spawn: their
-own PID namespace and session, a control pipe the worker parks on), and whether this launchpad is a
-spare waiting for a restored worker. Moving them (dump, transfer, restore) is launchpad/transparent.py's."""
+"""How the workers of a transparent job, and of an auto one (bare ``--torchpass``: torchpassd picks
+the mode once the workers show whether they registered save/load), start so that criu can move them
+later (criu_hooks.spawn: their own PID namespace and session, a control pipe the worker parks on),
+and whether this launchpad is a spare waiting for a restored worker. Moving them (dump, transfer,
+restore) is launchpad/transparent.py's."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,15 +18,35 @@ from criu_hooks import spawn as criu_spawn
 from launchpad import workers
 from launchpad.output import OutputRouter
 from launchpad.spec import MODE_ENV, LaunchSpec
-from slurm_plugin.model import TRANSPARENT
+from slurm_plugin.model import AUTO, TRANSPARENT
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
 from torchpass_common.errors import WorkerError
 
 
-def movable() -> bool:
-    """Start this node's workers so that criu can move them (the job asked for transparent mode)."""
+def transparent() -> bool:
+    """The job asked for transparent mode: its workers move only as processes (they register no state)."""
     return os.environ.get(MODE_ENV) == TRANSPARENT
+
+
+def movable() -> bool:
+    """Start this node's workers so that criu can move them: the job asked for transparent mode, or
+    for auto where this node can start them so (else they start as under torchrun: see ``unmovable``)."""
+    mode = os.environ.get(MODE_ENV)
+    return mode == TRANSPARENT or (mode == AUTO and not unmovable())
+
+
+@functools.cache
+def unmovable() -> str:
+    """Why this node cannot start a movable worker ("" when it can): util-linux unshare must make a
+    PID namespace here. Asked once; an auto job whose workers cannot be movable runs them plainly
+    (a transparent move is then refused with this reason, before any pause)."""
+    try:
+        res = subprocess.run([*criu_spawn.PREFIX, "true"], capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {criu_spawn.PREFIX[0]}: {exc}"
+    return "" if res.returncode == 0 else f"{' '.join(criu_spawn.PREFIX)} failed here: {res.stderr.strip()[:200]}"
 
 
 def restore_target() -> bool:

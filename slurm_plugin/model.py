@@ -15,8 +15,8 @@ ACTIVE_JOB_STATES = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURIN
 
 # The mode whose workers are moved whole by criu: they register no save/load, so a lost rank cannot
 # be rebuilt (only planned drains move them).
-TRANSPARENT = "transparent"
-TORCHPASS_MODES = ("aware", TRANSPARENT, "auto")
+AWARE, TRANSPARENT, AUTO = "aware", "transparent", "auto"  # auto: torchpassd picks from what the workers did
+TORCHPASS_MODES = (AWARE, TRANSPARENT, AUTO)
 # A job is a TorchPass job when its comment (or admin comment) carries the marker that
 # spank/cli_filter.lua writes for --torchpass / --torchpass-spares. Slurm 22.05 shows slurmctld's
 # clients neither the SPANK job environment nor the submit line, so the comment is the carrier.

@@ -29,6 +29,17 @@ def compact(ranks: list[int]) -> list[list[int]]:
     return out
 
 
+def span(ranks: list[int]) -> str:
+    """Ranks for people to read: [0, 1, 2, 3, 6] -> "0-3, 6"."""
+    parts: list[str] = []
+    for r in sorted(set(ranks)):
+        if parts and parts[-1].split("-")[-1] == str(r - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ", ".join(parts)
+
+
 def expand(ranges: Any) -> list[int]:
     """The ranks ``ranges`` (as ``compact`` made them) stand for; ProtocolError if malformed."""
     if not isinstance(ranges, list):

@@ -56,7 +56,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"torchpassd pid {d['pid']}, up {d['uptime_s']}s, Slurm backend {d['slurm_backend']}, "
                f"broker {'connected' if d['broker_connected'] else 'DISCONNECTED'}")
     for job in st["jobs"]:
-        click.echo(f"job {job['job']} ({job['user']}, {job['mode']}) on {','.join(job['nodes'])}; {job['unplanned']}"
+        click.echo(f"job {job['job']} ({job['user']}, {job['mode']}) on {','.join(job['nodes'])}; "
+                   f"{job['protection']}; {job['unplanned']}"
                    + (f"  BLOCKED: {job['blocked']}" if job["blocked"] else ""))
         for node, lp in job["launchpads"].items():
             ranks = ", ".join(f"rank {w['rank']} step {w['step']} {w['state']}" for w in lp["workers"])

@@ -64,22 +64,24 @@ def spares(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
     return [dataclasses.asdict(s) for s in spares_of(snap, cfg.slurm.spare_reservation)]
 
 
-@_listing("jobs", ("job", "user", "state", "mode", "spares", "nodes", "batch_host", "unplanned"))
+@_listing("jobs", ("job", "user", "state", "mode", "protection", "spares", "nodes", "batch_host", "unplanned"))
 def jobs(cfg: config.Config, snap: Snapshot) -> list[dict[str, Any]]:
-    """Running TorchPass jobs (submitted with --torchpass), their nodes, and what unplanned recovery
-    can do for each as torchpassd knows its layout ("-" when torchpassd does not answer)."""
+    """Running TorchPass jobs (submitted with --torchpass), their nodes, which migration protects
+    each (from what its workers did: registered save/load or not) and what unplanned recovery can
+    do for it as torchpassd knows its layout ("-" when torchpassd does not answer)."""
     rows = []
-    unplanned = _from_daemon(cfg, "jobs", lambda j: (j["job"], j["unplanned"]))
+    seen = _from_daemon(cfg, "jobs", lambda j: (j["job"], j))
     for job in sorted(snap.torchpass_jobs().values(), key=lambda j: j.job_id):
         flags = job.torchpass
         rows.append({"job": job.job_id, "user": job.user, "state": job.state,
-                     "mode": flags.mode if flags else "", "spares": flags.spares if flags else 0,
+                     "mode": flags.mode if flags else "", "protection": seen.get(str(job.job_id), {}).get("protection", "-"),
+                     "spares": flags.spares if flags else 0,
                      "nodes": hostlist.compress(job.nodes), "batch_host": job.batch_host,
-                     "unplanned": unplanned.get(str(job.job_id), "-")})
+                     "unplanned": seen.get(str(job.job_id), {}).get("unplanned", "-")})
     return rows
 
 
-def _from_daemon(cfg: config.Config, op: str, pick: Callable[[Any], tuple[str, str]]) -> dict[str, str]:
+def _from_daemon(cfg: config.Config, op: str, pick: Callable[[Any], tuple[str, Any]]) -> dict[str, Any]:
     """``pick`` over what torchpassd answers to ``op``; {} when it does not answer."""
     try:
         answer = DaemonClient(cfg.orchestrator.control_socket, timeout=2.0).call(op)

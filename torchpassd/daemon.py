@@ -31,7 +31,16 @@ from torchpass_common import broker_check, log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
 from torchpass_common.worker_state import WorkerState
-from torchpassd import broker_auth, link_policy, planned, reroute, sdnotify, transparent, unplanned
+from torchpassd import (
+    broker_auth,
+    link_policy,
+    planned,
+    protection,
+    reroute,
+    sdnotify,
+    transparent,
+    unplanned,
+)
 from torchpassd import journal as jn
 from torchpassd.commander import Commander
 from torchpassd.control_socket import ControlServer
@@ -214,8 +223,11 @@ class Orchestrator:
             return starting, False
         if self.watcher.last is None:
             return "waiting for the first Slurm poll", False
+        protected = view.protection()  # from what the workers did: no spare is taken for a move that cannot work
+        if not protected.flow:  # the job's output said so already (protection.Announcer)
+            return protected.why, False
         spares = self.d.pool.list(self.watcher.last)
-        hot = view.hot_spares() if view.mode != TRANSPARENT else []  # criu restores onto a spare from the pool
+        hot = view.hot_spares() if protected.flow != TRANSPARENT else []  # criu restores onto a spare from the pool
         if not hot and not any(s.available for s in spares):
             detail = "; ".join(f"{s.node}: {s.why}" for s in spares) or "the spare reservation has no nodes"
             return f"no spare free for {node} ({detail}); the job keeps running and migrates when one appears", True
@@ -258,7 +270,7 @@ class Orchestrator:
     async def _migrate(self, job: str, node: str, seen: float, reason: str) -> None:
         rec = {j.job_id: j for j in await asyncio.to_thread(self.d.journal.jobs)}.get(job)
         gen = rec.gen if rec else 1
-        flow = transparent.TransparentMigration if self.d.registry.job(job).mode == TRANSPARENT \
+        flow = transparent.TransparentMigration if self.d.registry.job(job).protection().flow == TRANSPARENT \
             else planned.PlannedMigration
         mid = await asyncio.to_thread(self.d.journal.start_migration, job, mode=flow.mode, source=node,
                                       reason=reason, gen=gen)
@@ -390,6 +402,7 @@ class Reports:
     straggler: StragglerWatch
     links: link_policy.PathWatch
     detector: FailureDetector
+    announcer: protection.Announcer
 
     async def pump(self, client: mqtt.ControlClient) -> None:
         async for topic, msg in client.messages():
@@ -414,6 +427,7 @@ class Reports:
                 await self.health.on_heartbeat(msg.job, node, msg.body)
                 await self.straggler.on_heartbeat(msg.job, node, msg.body)
                 self.links.on_heartbeat(msg.job, node, msg.body)
+                self.announcer.on_heartbeat(msg.job, node, msg.body)
 
 
 async def _watch(watcher: Watcher, orch: Orchestrator, reports: Reports, retained: RetainedStates,
@@ -428,6 +442,7 @@ async def _watch(watcher: Watcher, orch: Orchestrator, reports: Reports, retaine
             health.job_ended(str(e.job))
             reports.straggler.job_ended(str(e.job))
             reports.links.job_ended(str(e.job))
+            reports.announcer.job_ended(str(e.job))
             gate.forget(str(e.job))
             view = orch.d.registry.jobs.get(str(e.job))  # every node a launchpad of it was on
             retained.clear(str(e.job), {*e.nodes, *(view.nodes if view else ()), *(view.launchpads if view else ())})
@@ -503,7 +518,9 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
                           lambda job, node: retained.clear(job, (node,)))
         straggler = StragglerWatch(cfg.straggler, journal, migrate=orch.request, counter=metrics.stragglers_total)
         paths = link_policy.PathWatch(cfg.links, registry.job, orch.on_links)
-        reports = Reports(gate, registry, commander, metrics, health, straggler, paths, orch.unplanned.detector)
+        announcer = protection.Announcer(lambda job: registry.job(job).protection(), orch.tell_job)
+        reports = Reports(gate, registry, commander, metrics, health, straggler, paths, orch.unplanned.detector,
+                          announcer)
         tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,

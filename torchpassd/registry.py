@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from torchpass_common import log, protocol, rank_ranges
 from torchpass_common.errors import MigrationError, ProtocolError
+from torchpassd import protection
 
 T = TypeVar("T")
 STANDBY_STATES = ("ready", "starting", "none")  # a launchpad's warm standby, as its heartbeats say
@@ -91,13 +92,18 @@ class JobView:
             return "layout not reported yet"
         alone = self.without_replica()
         if alone:
-            return (f"unplanned: no replica of ranks {_span(alone)}, falls back to requeue "
+            return (f"unplanned: no replica of ranks {rank_ranges.span(alone)}, falls back to requeue "
                     "(the job restarts from its last checkpoint)")
         return f"unplanned: every rank has a replica (at least {min(len(h) for h in self.replicas.values())} copies)"
+
+    def protection(self) -> protection.Protection:
+        """Which migration protects the job now, from what the workers of its online launchpads did."""
+        return protection.decide(self.mode, [w for lp in self.launchpads.values() if lp.online for w in lp.workers])
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         return {"job": self.job_id, "user": self.user, "mode": self.mode, "nodes": list(self.nodes),
+                "protection": self.protection().describe(),
                 "batch_host": self.batch_host, "blocked": self.blocked, "unplanned": self.unplanned(),
                 "path": self.path,
                 "launchpads": {n: {"online": lp.online, "gen": lp.gen, "workers": lp.workers,
@@ -106,17 +112,6 @@ class JobView:
                                    "steps_per_s": round(lp.steps_per_s, 2), "links": lp.links, "path": lp.path,
                                    "standby": lp.standby, "hot_spare": lp.hot_spare}
                                for n, lp in sorted(self.launchpads.items())}}
-
-
-def _span(ranks: list[int]) -> str:
-    """[0, 1, 2, 3, 6] -> "0-3, 6"."""
-    parts: list[str] = []
-    for r in ranks:
-        if parts and parts[-1].split("-")[-1] == str(r - 1):
-            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
-        else:
-            parts.append(str(r))
-    return ", ".join(parts)
 
 
 class Registry:

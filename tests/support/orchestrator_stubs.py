@@ -69,12 +69,13 @@ async def _events(job: str, event: str, detail: dict[str, Any]) -> None:
 
 
 async def orchestrator(tmp_path: Path, commander: Any = None) -> tuple[Orchestrator, jn.Journal, Slurm]:
-    """An Orchestrator over job JOB on n1 (ranks 0, 1; the batch host) and n3 (ranks 2, 3)."""
+    """An Orchestrator over job JOB on n1 (ranks 0, 1; the batch host) and n3 (ranks 2, 3), whose
+    workers registered save/load and started movable (either mode can move them)."""
     registry = Registry()
     await registry.update_job(JOB, nodes=("n1", "n3"), user="u", mode="aware", batch_host="n1")
     for node, ranks in (("n1", (0, 1)), ("n3", (2, 3))):
-        body = {"node": node, "seq": 1, "workers": [{"rank": r, "step": 10, "state": "running", "pid": 99}
-                                                    for r in ranks]}
+        body = {"node": node, "seq": 1, "workers": [{"rank": r, "step": 10, "state": "running", "pid": 99,
+                                                     "registered": True, "movable": True} for r in ranks]}
         await registry.on_message(node, protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
                                                                         body=body)))
     journal = jn.Journal(tmp_path / "j.sqlite")

@@ -1,0 +1,97 @@
+"""Which migration protects a job, decided from what its workers did rather than guessed: the mode
+asked at sbatch (aware, transparent, auto: a bare ``--torchpass``) against whether each worker
+called ``torchpass.register(save, load)`` and whether it started movable (as its launchpad's
+heartbeats say). ``decide`` is a pure function, asked before any spare is taken; ``Announcer``
+puts one ``torchpass:`` line into the job's output when the answer is first known and when it changes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_plugin.model import AUTO, AWARE, TRANSPARENT
+from torchpass_common.rank_ranges import span
+
+AWAITING = "waiting for the workers' first step (whether they registered save/load decides the mode)"
+
+
+@dataclass(frozen=True)
+class Protection:
+    """``flow``: AWARE or TRANSPARENT, or "" when no migration can protect the job now (``why``
+    says why and what to do); ``known``: the workers have shown what they do (each took a step)."""
+
+    flow: str
+    why: str
+    known: bool = True
+
+    def describe(self) -> str:
+        """One line for operators and the job's output."""
+        if not self.known:
+            return f"unknown yet: {self.why}"
+        return f"{self.flow}: {self.why}" if self.flow else f"not protected: {self.why}"
+
+
+def decide(mode: str, workers: Iterable[dict[str, Any]]) -> Protection:
+    """The protection of a job run with ``--torchpass=mode`` whose workers reported ``workers``
+    (heartbeat entries: rank, step, registered, movable; exited ones do not count)."""
+    live = [w for w in workers if "exit_code" not in w and not w.get("joining")]  # joiners: a move under way
+    if not live or any(int(w.get("step") or 0) < 1 for w in live):
+        return Protection("", AWAITING, known=False)
+    unregistered = sorted(int(w["rank"]) for w in live if not w.get("registered"))
+    unmovable = sorted(int(w["rank"]) for w in live if not w.get("movable"))
+    everyone = len(unregistered) == len(live)
+    if mode == AWARE or (mode == AUTO and unregistered and not everyone):
+        if not unregistered:
+            return Protection(AWARE, "every rank registered save/load: its state moves to the spare")
+        did = f"ranks {span(sorted(set(int(w['rank']) for w in live) - set(unregistered)))} did, " \
+            if not everyone else ""
+        return Protection("", f"ranks {span(unregistered)} never called torchpass.register(save, load) "
+                              f"({did}a model-aware move needs every rank's), so a drain leaves the job where it "
+                              "is; register in every rank, or submit with a bare --torchpass or "
+                              "--torchpass=transparent to move the processes whole")
+    if mode == AUTO and not unregistered:
+        return Protection(AWARE, "every rank registered save/load: its state moves to the spare")
+    if unmovable:
+        return Protection("", f"ranks {span(unmovable)} were not started movable (their launchpad could "
+                              "not give them a PID namespace of their own), so criu cannot move them; see "
+                              "the launchpad log on their node")
+    if mode == TRANSPARENT or everyone:
+        return Protection(TRANSPARENT, "the worker processes move whole with criu (no code change needed)")
+    return Protection("", f"unknown --torchpass mode {mode!r}")
+
+
+class Announcer:
+    """Says each job's protection in its output once known, and again when it changes. Fed every
+    heartbeat; the job's protection is decided again only when a node's workers changed in what
+    decides it (a cost per heartbeat of that node's workers, not the job's)."""
+
+    def __init__(self, decide_for: Callable[[str], Protection], tell: Callable[[str, str], Awaitable[None]]) -> None:
+        self.decide_for = decide_for  # job -> its protection now
+        self.tell = tell  # (job, text): one line in the job's output
+        self.said: dict[str, Protection] = {}
+        self._facts: dict[tuple[str, str], tuple[tuple[Any, ...], ...]] = {}
+        self._telling: set[asyncio.Task[None]] = set()
+
+    def on_heartbeat(self, job: str, node: str, body: dict[str, Any]) -> None:
+        workers = body.get("workers")
+        facts = tuple(sorted((str(w.get("rank")), bool(w.get("registered")), bool(w.get("movable")),
+                              int(w.get("step") or 0) >= 1, bool(w.get("joining")))
+                             for w in (workers if isinstance(workers, list) else []) if isinstance(w, dict)))
+        if self._facts.get((job, node)) == facts:
+            return
+        self._facts[(job, node)] = facts
+        now = self.decide_for(job)
+        if not now.known or self.said.get(job) == now:
+            return
+        self.said[job] = now
+        how = f"protected by {now.flow} migration: {now.why}" if now.flow else f"not protected: {now.why}"
+        task = asyncio.create_task(self.tell(job, f"job {job} is {how}"))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    def job_ended(self, job: str) -> None:
+        self.said.pop(job, None)
+        for key in [k for k in self._facts if k[0] == job]:
+            del self._facts[key]
