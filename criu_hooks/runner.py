@@ -4,6 +4,7 @@ tasks stopped (not killed), so the caller decides: kill them once the restore el
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -132,8 +133,28 @@ class PageServer:
 
 
 def resume_original(pid: int) -> None:
-    """Let a tree left stopped by `dump` go on (the migration was abandoned)."""
-    os.kill(pid, signal.SIGCONT)
+    """Let a tree left stopped by `dump` go on (the migration was abandoned): every task of it, not
+    only its root. A DataLoader's worker processes left stopped would hold the worker in its next
+    batch for ever, and its peers in their next collective until the backend's timeout."""
+    for task in tree(pid):
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(task, signal.SIGCONT)
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the kernel's children lists, of every thread), parents first."""
+    found, todo = [], [pid]
+    while todo:
+        task = todo.pop(0)
+        found.append(task)
+        try:
+            threads = os.listdir(f"/proc/{task}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in Path(f"/proc/{task}/task/{thread}/children").read_text().split()]
+    return found
 
 
 def discard_original(pid: int) -> None:
