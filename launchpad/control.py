@@ -16,7 +16,7 @@ from launchpad.node_context import NodeContext
 from launchpad.telemetry.links import LinkWatch
 from launchpad.telemetry.sampler import Sampler
 from torchpass_common import broker_check, job_credentials, log, mqtt, protocol, rank_ranges
-from torchpass_common.errors import TorchPassError
+from torchpass_common.errors import CannotMove, TorchPassError
 from torchpass_common.tasks import cancel_all
 from torchpass_common.worker_state import WorkerState
 
@@ -147,7 +147,7 @@ class ControlPlane:
                 try:
                     result = {"ok": True, "error": None, "result": await self.commands.execute(cmd, args, msg.gen, migration)}
                 except TorchPassError as exc:
-                    result = {"ok": False, "error": str(exc), "result": {}}
+                    result = {"ok": False, "error": str(exc), "result": {"lasting": isinstance(exc, CannotMove)}}
                     self._log.warning("control.command_failed", cmd=cmd, migration=migration, gen=msg.gen,
                                       error=str(exc))
                 except Exception as exc:  # a bug must cost one command, not the agent and its training

@@ -25,7 +25,7 @@ from launchpad.channel import WorkerLink
 from launchpad.node_context import NodeContext
 from torchpass_common import agent_channel as ac
 from torchpass_common import log
-from torchpass_common.errors import MigrationError, ProtocolError, TorchPassError, WorkerError
+from torchpass_common.errors import CannotMove, MigrationError, ProtocolError, TorchPassError, WorkerError
 from torchpass_common.transfer_address import TransferAddress
 
 _SOCKETS_CLOSED_S = 10.0
@@ -307,9 +307,9 @@ class Transparent:
                                                    timeout=self.agent.timeouts.decision, where=where)
             except (CriuFailed, CriuUnavailable) as exc:
                 os.close(ctl_w)
-                raise MigrationError(f"criu restore failed: {exc.message}",
-                                     hint="the original worker is still on its node, stopped: resume it",
-                                     **where) from exc
+                raise CannotMove(f"criu restore failed: {exc.message}",
+                                 hint="the original worker is still on its node, stopped: resume it",
+                                 **where) from exc
             streams, seen = [], set()
             for fd in ("1", "2"):  # one reader per pipe (stdout and stderr may share one)
                 resource = res["pipes"].get(fd)

@@ -52,5 +52,10 @@ class SpareFailed(MigrationError):
         self.spare = spare
 
 
+class CannotMove(MigrationError):
+    """A move that would fail the same way if tried again (criu cannot restore this process): the
+    orchestrator gives the move up instead of retrying it. Its ack says so (``lasting``)."""
+
+
 class WorkerError(TorchPassError):
     """A worker process misbehaved: it died, hung, or its save/load functions raised."""

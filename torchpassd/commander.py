@@ -17,7 +17,12 @@ AckKey = tuple[str, str, str, int, str]  # job, node, migration, gen, cmd
 
 
 class CommandFailed(MigrationError):
-    """A launchpad carried out a command and reported failure, or never acked it in time."""
+    """A launchpad carried out a command and reported failure, or never acked it in time.
+    ``lasting``: the launchpad said that trying again would fail alike (errors.CannotMove)."""
+
+    def __init__(self, message: str, *, lasting: bool = False, **where: object) -> None:
+        super().__init__(message, **where)
+        self.lasting = lasting
 
 
 class Commander:
@@ -64,6 +69,8 @@ class Commander:
         finally:
             self._waiting.pop(key, None)
         if not ack.body["ok"]:
-            raise CommandFailed(f"{cmd} failed on the launchpad: {ack.body['error']}", **where)
+            result = ack.body.get("result")
+            raise CommandFailed(f"{cmd} failed on the launchpad: {ack.body['error']}",
+                                lasting=isinstance(result, dict) and result.get("lasting") is True, **where)
         logger.info("command.acked", cmd=cmd)
         return ack.body["result"]

@@ -52,7 +52,8 @@ from torchpassd.report_gate import ReportGate
 from torchpassd.retained import RetainedStates
 from torchpassd.straggler import StragglerWatch
 
-RETRY_AFTER_S = 5.0  # a rolled-back or blocked migration is retried no sooner than this
+RETRY_AFTER_S = 5.0  # a rolled-back migration's first retry; each later one waits twice as long
+RETRIES = 3  # retries of a rolled-back migration per incident (job, node); then it is given up
 
 
 class Orchestrator:
@@ -65,6 +66,7 @@ class Orchestrator:
         self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # -> (wall time seen, reason)
         self.retry_at: dict[tuple[str, str], float] = {}
         self.failed_spares: dict[tuple[str, str], list[str]] = {}  # spares that could not take a node's ranks
+        self.rollbacks: dict[tuple[str, str], int] = {}  # migrations of this incident that rolled back
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
@@ -172,7 +174,8 @@ class Orchestrator:
             return
         if (job, node) not in self.pending:
             self.pending[(job, node)] = (time.time(), reason)
-            self.failed_spares.pop((job, node), None)  # a new incident gets its own spares
+            self.failed_spares.pop((job, node), None)  # a new incident gets its own spares and tries
+            self.rollbacks.pop((job, node), None)
             self.log.info("migration.wanted", job=job, node=node, reason=reason)
         self.kick()
 
@@ -288,15 +291,47 @@ class Orchestrator:
         await self.unplanned.run(flow, flow.run([]))
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
-        p = mig.plan
+        """After a migration ended: done, or retried (a spare that failed: another spare; any other
+        roll-back: at most RETRIES times, each retry waiting twice as long), or given up (a failure
+        a retry would meet again, or the tries spent: the job runs on where it is)."""
+        p, key = mig.plan, (mig.plan.job, mig.plan.source)
         if status == jn.SUCCEEDED:
-            self.pending.pop((p.job, p.source), None)
-            self.failed_spares.pop((p.job, p.source), None)
-        elif mig.spare_failure is not None and self._spares_exhausted(p.job, p.source, mig.spare_failure):
-            pass  # given up: the job runs on where it is
+            self.pending.pop(key, None)
+            self.failed_spares.pop(key, None)
+            self.rollbacks.pop(key, None)
+            return
+        if mig.spare_failure is not None:
+            if not self._spares_exhausted(p.job, p.source, mig.spare_failure):
+                self._retry(key, RETRY_AFTER_S)
+            return
+        tries = self.rollbacks[key] = self.rollbacks.get(key, 0) + 1
+        if mig.lasting:
+            self._give_up(p.job, p.source, f"{mig.lasting}, and a retry would fail the same way",
+                          "torchpassctl history shows why; register save/load (torchpass.register) for a "
+                          f"model-aware move, or resume and drain {p.source} again once the cause is fixed",
+                          tries=tries, error=mig.error)
+        elif tries > RETRIES:
+            self._give_up(p.job, p.source, f"{tries} tries rolled back, the last because {mig.error}",
+                          f"torchpassctl history shows each try; resume and drain {p.source} again to retry",
+                          tries=tries, error=mig.error)
         else:
-            self.retry_at[(p.job, p.source)] = time.time() + RETRY_AFTER_S
-            asyncio.get_running_loop().call_later(RETRY_AFTER_S + 0.1, self.kick)
+            self._retry(key, RETRY_AFTER_S * 2 ** (tries - 1))
+
+    def _retry(self, key: tuple[str, str], after_s: float) -> None:
+        self.retry_at[key] = time.time() + after_s
+        asyncio.get_running_loop().call_later(after_s + 0.1, self.kick)
+
+    def _give_up(self, job: str, node: str, cause: str, todo: str, **detail: Any) -> None:
+        """Stop trying to move ``job``'s ranks off ``node`` (until the node returns and is drained
+        again): said to the operator (log, journal event) and in the job's output, with what to do."""
+        self.pending.pop((job, node), None)
+        self.rollbacks.pop((job, node), None)
+        why = f"gave up moving job {job}'s ranks off {node}: {cause}; the job runs on on {node}. {todo}"
+        self.log.error("migration.given_up", job=job, node=node, why=why, **detail)
+        self.d.registry.job(job).blocked = why
+        asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.given_up", job_id=job,
+                                              detail={"node": node, "why": why, **detail}))
+        asyncio.create_task(self.tell_job(job, why))
 
     def _spares_exhausted(self, job: str, node: str, failure: SpareFailed) -> bool:
         """Count ``failure``'s spare against this incident; True (and the incident given up, said
@@ -306,15 +341,9 @@ class Orchestrator:
         limit = self.d.cfg.orchestrator.spares_per_incident
         if len(failed) < limit:
             return False
-        self.pending.pop((job, node), None)
-        why = (f"gave up moving job {job}'s ranks off {node}: {len(failed)} spares ({', '.join(failed)}) could not "
-               f"take them, the last because {failure.message}; the job runs on on {node}. Fix the cause, resume "
-               f"the spares (scontrol update nodename=... state=resume) and drain {node} again")
-        self.log.error("migration.given_up", job=job, node=node, spares=failed, error=failure.message)
-        self.d.registry.job(job).blocked = why
-        asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.given_up", job_id=job,
-                                              detail={"node": node, "spares": failed, "why": why}))
-        asyncio.create_task(self.tell_job(job, why))
+        self._give_up(job, node, f"{len(failed)} spares ({', '.join(failed)}) could not take them, the last "
+                                 f"because {failure.message}", "Fix the cause, resume the spares (scontrol update "
+                                 f"nodename=... state=resume) and drain {node} again", spares=failed)
         return True
 
     async def recover(self) -> None:

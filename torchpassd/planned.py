@@ -166,12 +166,15 @@ class Flow:
         self.where = {"job": plan.job, "node": plan.source, "migration": migration, "gen": plan.gen}
         self.last_phase = REQUESTED
         self.spare_failure: SpareFailed | None = None  # the last spare that could not take the ranks
+        self.error = ""  # why it rolled back or failed, once it has
+        self.lasting = ""  # a failure that a retry would meet again (why), so the move is not retried
         self.failed_spares: dict[str, SpareFailed] = {}  # every such spare: drained when let go
 
     # ---- bookkeeping -----------------------------------------------------------------------
     async def phase(self, name: str, status: str = jn.RUNNING, error: str | None = None,
                     **detail: Any) -> None:
         self.last_phase = name
+        self.error = error or self.error
         rec = await asyncio.to_thread(self.d.journal.record_transition, self.id, name, status,
                                       {"plan": asdict(self.plan), **detail},
                                       target=self.plan.target or None, error=error, job_after=self._job_after(status))

@@ -19,6 +19,7 @@ from torchpass_common.errors import MigrationError, TorchPassError
 from torchpass_common.transfer_address import TransferAddress
 from torchpassd import journal as jn
 from torchpassd import planned
+from torchpassd.commander import CommandFailed
 
 MODE = "planned-transparent"
 PAGE_PORT_BASE = 29500  # the spare's criu page server for local worker i: planned.joiner_port(BASE + generation, i)
@@ -131,7 +132,12 @@ class TransparentMigration(planned.PlannedMigration):
         await self.send(p.target, "prepare_restore", p.gen, {"page_host": p.target_addr, "moves": moves("0.0.0.0")})
         dump = await self.send(p.source, "checkpoint", p.gen, {  # the node's workers are dumped side by side
             "moves": moves(p.target_addr), "page_host": p.target_addr})
-        done = await self.send(p.target, "restore", p.gen, {"ranks": p.ranks})
+        try:
+            done = await self.send(p.target, "restore", p.gen, {"ranks": p.ranks})
+        except CommandFailed as exc:
+            if exc.lasting:  # criu cannot bring these processes back: a retry would fail alike
+                self.lasting = f"criu could not restore ranks {p.ranks} on {p.target}"
+            raise
         await self.phase(planned.HANDED_OVER, dump_s=dump.get("dump_s"), frozen_s=dump.get("frozen_s"),
                          transfer_s=dump.get("transfer_s"), restore_s=done.get("restore_s"),
                          image_bytes=dump.get("image_bytes"), page_bytes=done.get("page_bytes"))
