@@ -44,10 +44,11 @@ def undisturbed(workdir: Path, world: int, script: Path = EXAMPLE) -> Reference:
                          ids=["other-node", "batch-host"])
 def test_transparent_drain_of_a_two_rank_node_ends_completed_and_the_moved_ranks_keep_printing(
         criu: None, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, batch_host: bool) -> None:
-    """criu moves the node's two worker processes to the spare. The batch host's too: Slurm keeps it
-    in the job (it cannot release it), running no ranks, its launchpad keeping the rendezvous store."""
+    """criu moves the node's two worker processes to the spare, each with its 2 DataLoader worker
+    processes. The batch host's too: Slurm keeps it in the job (it cannot release it), running no
+    ranks, its launchpad keeping the rendezvous store."""
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                   script=TUTORIAL, mode="transparent")
+                   script=TUTORIAL, args="--num-workers 2", mode="transparent")
     view = job.wait_running(torchpassd)
     victim = view["batch_host"] if batch_host else next(n for n in view["nodes"] if n != view["batch_host"])
     moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])

@@ -1,0 +1,55 @@
+"""A migration that fails costs the job one pause, never a hang: a transparent move whose criu
+restore fails on the spare (the site config's [faults] criu = "restore") is rolled back, every rank
+trains again within seconds (the dumped worker's process tree resumes whole: for its DataLoader
+workers see tests/integration/test_criu_tree_resume.py), the move is not retried (criu would refuse
+the same process again: one rolled-back try, no retry storm), the job's output says it was given
+up, and the job ends COMPLETED, bit-identical. The same for a script that registered save/load: it
+is never left interrupted. (Not with DataLoader workers here: the dev cluster's nodes share one
+/tmp, and criu's restore on the spare unlinks, before it binds them again, the unix socket paths
+that multiprocessing's resource sharer listens on, the original's too; real nodes have their own.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.devcluster import DevCluster
+from tests.support.e2e import Daemon, Training, assert_bit_identical, sacct_state, wait_until
+from torchpassd.drill import EXAMPLE
+from torchpassd.drill_transparent import SCRIPT as TUTORIAL
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.criu, pytest.mark.faults, pytest.mark.slow,
+              pytest.mark.timeout(600)]
+
+STEPS, STEP_SLEEP = 120, 0.2
+BACK_WITHIN_S = 10.0
+
+
+@pytest.mark.parametrize("script", [TUTORIAL, pytest.param(EXAMPLE, marks=pytest.mark.matrix)],
+                         ids=["unregistered", "registered"])
+def test_a_failed_restore_costs_one_pause_and_is_not_retried(
+        criu: None, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference,  # noqa: ANN001
+        script: Path) -> None:
+    site = workdir / "faulty.toml"  # the operator's fault injection: every criu restore fails
+    site.write_text(tp_config.read_text() + '[faults]\ncriu = "restore"\n')
+    job = Training(devcluster, site, workdir, steps=STEPS, step_sleep=STEP_SLEEP, script=script, mode="transparent")
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim, timeout=240)
+    assert mig["status"] == "rolled_back" and "criu restore failed" in mig["error"], mig
+    at = {w["rank"]: w["step"] for lp in torchpassd.job(job.job)["launchpads"].values() for w in lp["workers"]}
+
+    def every_rank_stepped() -> bool:
+        now = {w["rank"]: w["step"] for lp in torchpassd.job(job.job)["launchpads"].values() for w in lp["workers"]}
+        return len(now) == len(at) and all(now[r] > at[r] for r in at)
+    wait_until(f"every rank of job {job.job} to train again after the roll-back", every_rank_stepped, BACK_WITHIN_S)
+    assert_bit_identical(job.wait_done(), reference(STEPS, script))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    tries = [m for m in torchpassd.migrations(job.job) if m["source"] == victim]
+    assert len(tries) == 1, [(m["status"], m["error"]) for m in tries]  # no retry storm
+    out = job.out.read_text()
+    assert f"torchpass: gave up moving job {job.job}'s ranks off {victim}: criu could not restore" in out, out[-2000:]
+    devcluster.resume(victim)
