@@ -30,6 +30,7 @@ from slurm_plugin.watcher import Watcher
 from torchpass_common import broker_check, log, mqtt, protocol
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SlurmError, SpareFailed, TorchPassError
+from torchpass_common.rank_ranges import span
 from torchpass_common.worker_state import WorkerState
 from torchpassd import (
     broker_auth,
@@ -51,6 +52,7 @@ from torchpassd.registry import JobView, Registry
 from torchpassd.report_gate import ReportGate
 from torchpassd.retained import RetainedStates
 from torchpassd.straggler import StragglerWatch
+from torchpassd.stranded import StrandedWatch
 
 RETRY_AFTER_S = 5.0  # a rolled-back migration's first retry; each later one waits twice as long
 RETRIES = 3  # retries of a rolled-back migration per incident (job, node); then it is given up
@@ -67,6 +69,8 @@ class Orchestrator:
         self.retry_at: dict[tuple[str, str], float] = {}
         self.failed_spares: dict[tuple[str, str], list[str]] = {}  # spares that could not take a node's ranks
         self.rollbacks: dict[tuple[str, str], int] = {}  # migrations of this incident that rolled back
+        t = deps.cfg.timeouts  # a stranded rank waits for the failure detector first
+        self.stranded = StrandedWatch(t.heartbeat_dead_after + 2 * t.heartbeat_interval)
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
@@ -88,6 +92,7 @@ class Orchestrator:
             for key in [k for k in self.pending if k[0] == job]:
                 self.pending.pop(key)
             self.reroutes.pop(job, None)
+            self.stranded.forget(job)
             with contextlib.suppress(jn.JournalError):
                 await asyncio.to_thread(self.d.journal.end_job, job, e.state or "ENDED")
         elif isinstance(e, ev.NodeDraining | ev.NodeDrained | ev.NodeFailed) and e.jobs:
@@ -282,13 +287,37 @@ class Orchestrator:
         self.current[job] = mig
         await self._conclude(mig, await mig.run())
 
-    async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> None:
+    async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> reroute.Reroute:
         mid, gen = await self.unplanned.open_record(job, reroute.MODE, d.node, d.reason)
         plan = unplanned.UnplannedPlan(job=job, source=d.node, gen=gen, evidence=[d.reason], failed_at=seen,
                                        path=d.ifname, path_before=self.d.registry.job(job).path)
         flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy,
                                control_up=self.unplanned.control_up)
         await self.unplanned.run(flow, flow.run([]))
+        return flow
+
+    def watch_stranded(self) -> None:
+        """Re-form in place every job whose ranks were left interrupted with nobody lost (stranded.py)."""
+        now = time.monotonic()
+        for job, view in list(self.d.registry.jobs.items()):
+            busy = (job in self.active or self.unplanned.waits(job) or job in self.reroutes
+                    or job in self.unplanned.given_up)  # given up: its ranks were told to exit
+            workers = [w for lp in view.launchpads.values() if lp.online for w in lp.workers]
+            if ranks := self.stranded.due(job, workers, now, busy):
+                self._spawn(job, self._reform_in_place(job, ranks))
+
+    async def _reform_in_place(self, job: str, ranks: list[int]) -> None:
+        view = self.d.registry.job(job)
+        node = min(n for n, lp in view.launchpads.items() if any(w["rank"] in ranks for w in lp.workers))
+        reason = (f"ranks {span(ranks)} were left interrupted (a collective failed) while every node of the job "
+                  "lives, and no recovery came for them: every rank re-forms in place and resumes at the step "
+                  "that failed")
+        self.log.warning("recovery.stranded", job=job, ranks=ranks, node=node)
+        flow = await self._reroute(job, time.time(), link_policy.Decision(link_policy.REROUTE, job, node,
+                                                                          view.path, reason))
+        if flow.failure:  # e.g. ranks that registered no save/load: the job ends, and says why
+            await self.tell_job(job, f"job {job} could not be recovered after ranks {span(ranks)} were "
+                                     f"interrupted: {flow.failure}")
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
         """After a migration ended: done, or retried (a spare that failed: another spare; any other
@@ -488,6 +517,7 @@ async def _tick(orch: Orchestrator, reports: Reports, every: float) -> None:
         await asyncio.sleep(every)
         await reports.release()
         orch.unplanned.detector.check()  # silence needs a clock
+        orch.watch_stranded()
         orch.kick()
 
 

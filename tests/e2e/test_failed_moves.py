@@ -10,11 +10,15 @@ that multiprocessing's resource sharer listens on, the original's too; real node
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.devcluster import DevCluster
+from criu_hooks import runner
+from tests.support.devcluster import FINAL_JOB_STATES, DevCluster
 from tests.support.e2e import Daemon, Training, assert_bit_identical, sacct_state, wait_until
 from torchpassd.drill import EXAMPLE
 from torchpassd.drill_transparent import SCRIPT as TUTORIAL
@@ -53,3 +57,35 @@ def test_a_failed_restore_costs_one_pause_and_is_not_retried(
     out = job.out.read_text()
     assert f"torchpass: gave up moving job {job.job}'s ranks off {victim}: criu could not restore" in out, out[-2000:]
     devcluster.resume(victim)
+
+
+def test_ranks_interrupted_with_nobody_lost_are_not_left_waiting(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """One rank's DataLoader workers stop (as a dumped tree left stopped did) longer than gloo's
+    timeout: its peers' collective fails, then its own, while every node lives, so no death is
+    decided and no recovery comes. torchpassd re-forms the job in place once they waited out the
+    failure detector's grace; this script registered no save/load, so the job ends, saying why,
+    instead of hanging (under plain torchrun the timeout would end it too)."""
+    job = Training(devcluster, tp_config, workdir, steps=400, step_sleep=STEP_SLEEP, nodes=3, script=TUTORIAL,
+                   args="--num-workers 2", mode="transparent")
+    view = job.wait_running(torchpassd)
+    node = next(n for n in view["nodes"] if n != view["batch_host"])
+    pid = view["launchpads"][node]["workers"][0]["pid"]
+    loaders = wait_until(f"rank on {node} to run its DataLoader workers", lambda: runner.tree(pid)[1:], 30)
+    for child in loaders:
+        os.kill(child, signal.SIGSTOP)
+
+    def interrupted() -> bool:
+        return any(w["state"] == "interrupted" for lp in torchpassd.job(job.job)["launchpads"].values()
+                   for w in lp["workers"])
+    wait_until("the peers' collective to time out", interrupted, 60)
+    for child in loaders:
+        os.kill(child, signal.SIGCONT)
+    released = time.monotonic()
+    state = devcluster.wait_job_state(job.job, tuple(FINAL_JOB_STATES), timeout=120)
+    assert time.monotonic() - released < 90, "the job hung"
+    assert state != "COMPLETED"  # it could not be recovered: it ended, as a gloo timeout ends it under torchrun
+    (tried,) = [m for m in torchpassd.migrations(job.job) if m["mode"] == "reroute"]
+    assert tried["status"] == "failed" and "never called torchpass.register" in tried["error"], tried
+    out = job.out.read_text()
+    assert f"torchpass: job {job.job} could not be recovered after ranks" in out, out[-3000:]
