@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,35 @@ def test_vanished_process_is_refused() -> None:
     child.kill()
     child.wait(timeout=10)
     assert any("does not exist" in r for r in preflight.reasons(child.pid))
+
+
+def test_device_paths_are_judged_by_whether_they_mean_the_same_on_the_spare() -> None:
+    assert preflight.unportable("/dev/null") == preflight.unportable("/dev/shm/torch_1_2") == ""
+    assert preflight.unportable("/dev/nvidia0") == ""  # GPUs: criu_hooks.cuda decides
+    assert preflight.unportable("/tmp/train.log") == "" and preflight.unportable("socket:[12]") == ""
+    assert "terminal" in preflight.unportable("/dev/pts/3")
+    assert "cannot carry" in preflight.unportable("/dev/infiniband/uverbs0")
+
+
+@pytest.mark.criu
+def test_a_device_held_by_a_forked_child_is_named_before_any_pause(tmp_path: Path) -> None:
+    """A DataLoader-style child of the worker holding a device file: preflight names the process and
+    the device (criu would fail the dump, after the pause)."""
+    if not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("/dev/kmsg (the device this test holds open) is not readable here")
+    holder = ("import os, time\nif os.fork() == 0:\n    f = open('/dev/kmsg', 'rb')\n    time.sleep(60)\n"
+              "time.sleep(60)\n")
+    launcher = spawn.start([sys.executable, "-c", holder], output=tmp_path / "out")
+    worker = spawn.worker_pid(launcher)
+    try:
+        def named() -> list[str]:
+            return [r for r in preflight.reasons(worker) if "/dev/kmsg" in r]
+        for _ in range(100):  # until the child has opened it
+            if found := named():
+                break
+            time.sleep(0.05)
+        assert found and "a device that criu cannot carry to another node" in found[0], preflight.reasons(worker)
+        assert not found[0].startswith(f"process {worker} "), "the child holds it, not the worker"
+    finally:
+        os.kill(worker, signal.SIGKILL)  # the namespace's init: its child goes with it
+        launcher.wait(timeout=10)
