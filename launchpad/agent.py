@@ -104,6 +104,7 @@ class Agent:
             self.world_size = m.world_size
             self.group = WorkerGroup(spec, m, restarts, self.channel.path, hold_s=self._crash_hold_s(),
                                      on_held=lambda: self.beat_now(), settled=self._workers_settled)
+            self.channel.on_resumed = lambda link, group=self.group: group.resumed(link.pid)
             if not self.spec.hot_spare:
                 await self.group.start()
             elif (code := await self._stand_by()) is not None:

@@ -69,6 +69,7 @@ class ChannelServer:
         self._hello = asyncio.Condition()
         self._log = log.get(socket=path)
         self.on_interrupted: Callable[[WorkerLink], None] | None = None  # e.g. an immediate heartbeat
+        self.on_resumed: Callable[[WorkerLink], None] | None = None  # e.g. a joiner's output released
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -137,6 +138,8 @@ class ChannelServer:
                 self.on_interrupted(link)
         elif kind == ac.JOINED:
             link.interruption = None
+        elif kind == ac.RESUMED and self.on_resumed is not None:
+            self.on_resumed(link)
         if kind == ac.ERROR:
             link.error = msg["msg"]
             self._log.error("channel.worker_error", rank=link.rank, pid=link.pid, error=msg["msg"])

@@ -289,8 +289,7 @@ class Commands:
                 await w.stop(signal.SIGKILL, 0.0)  # a signal death, not told to exit: held (group.py)
                 held.append(w.rank)
                 continue
-            group.told_to_exit.add(pid)  # stopped on purpose: not a crash to hold
-            group.dismissed.add(pid)  # nor a failure of this node's: the migration is given up
+            group.dismiss(w)  # stopped on purpose: not a crash to hold, nor a failure; its output stays out
             await w.stop(signal.SIGTERM, self.agent.spec.grace_period)
             stopped.append(w.rank)
         paused = [lk for lk in self.agent.channel.links.values() if lk.state == WorkerState.PAUSED and lk.connected and not lk.joining]

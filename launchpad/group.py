@@ -192,6 +192,27 @@ class WorkerGroup:
                               hint="check the entrypoint path and that it is executable") from exc
         return self.adopt(w)
 
+    def resumed(self, pid: int) -> None:
+        """Worker ``pid`` trains on the new generation: a joiner's migration succeeded, its output is let out."""
+        w = self.workers.get(pid)
+        if w is not None and w.withheld is not None:
+            w.withheld.release()
+
+    def dismiss(self, w: workers.Worker) -> None:
+        """``w`` joined for a migration that was given up: none of its output reaches the job's (what
+        it had printed goes to launchpad's log), and its end is no failure of this node's."""
+        self.told_to_exit.add(w.pid)
+        self.dismissed.add(w.pid)
+        self._drop_output(w)
+
+    def _drop_output(self, w: workers.Worker) -> None:
+        if w.withheld is None or w.withheld.state != "held":
+            return
+        kept = w.withheld.discard()
+        if kept:
+            self._log.info("worker.output_withheld", rank=w.rank, pid=w.pid, bytes=len(kept),
+                           tail=kept[-2000:].decode(errors="replace"))
+
     def adopt(self, w: workers.Worker) -> workers.Worker:
         """Supervise ``w`` as one of this node's workers (also a worker criu restored here)."""
         self.workers[w.pid] = w
@@ -269,6 +290,7 @@ class WorkerGroup:
         """Note that ``w`` exited; the round's failure when it failed."""
         running.discard(w.pid)
         self._log.info("worker.exited", rank=w.rank, pid=w.pid, code=w.returncode)
+        self._drop_output(w)  # a joiner that ended before its migration succeeded
         if w.pid in self.dismissed:  # its rank runs where it ran before, or on another spare
             return None
         if w.returncode != 0 and not w.moved:  # a moved worker's original is killed here

@@ -113,6 +113,53 @@ class _Console:
             self.out.flush()
 
 
+class Withheld:
+    """A joining worker's console output, kept back until its migration succeeded: ``release``
+    writes what was kept, in order, and lets the rest through as it comes; ``discard`` (the
+    migration was given up) drops it and what follows, so a joiner that never took its rank's
+    place leaves no line in the job's output. Its --redirects/--tee files are written as usual.
+    At most ``limit`` bytes are kept; what comes beyond is dropped and counted."""
+
+    def __init__(self, limit: int = 8 << 20) -> None:
+        self.state = "held"  # held | released | discarded
+        self.limit, self.dropped = limit, 0
+        self._kept: list[tuple[_Console, bytes, bool]] = []
+        self._size = 0
+
+    def write(self, console: _Console, data: bytes, final: bool) -> None:
+        if self.state == "released":
+            console.write(data, final)
+        elif self.state == "held" and self._size + len(data) <= self.limit:
+            self._kept.append((console, data, final))
+            self._size += len(data)
+        else:
+            self.dropped += len(data)
+
+    def release(self) -> None:
+        if self.state != "held":
+            return
+        self.state = "released"
+        for console, data, final in self._kept:
+            console.write(data, final)
+        self._kept.clear()
+
+    def discard(self) -> bytes:
+        """Drop what was kept (returned, e.g. for launchpad's own log) and all that follows."""
+        kept = b"".join(data for _, data, _ in self._kept)
+        self.state, self._kept = "discarded", []
+        return kept
+
+
+class _HeldConsole:
+    """A console whose writes go through a worker's Withheld."""
+
+    def __init__(self, console: _Console, withheld: Withheld) -> None:
+        self.console, self.withheld = console, withheld
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        self.withheld.write(self.console, data, final)
+
+
 class OutputRouter:
     """Where one attempt's worker output goes, by torchrun's rules: a redirected or teed stream is
     written to its file as it comes; it reaches the console only when teed (prefixed lines) or not
@@ -160,12 +207,16 @@ class OutputRouter:
         teed = self._modes(local_rank, stream)[1]
         return _Console(out, self.prefix(rank, local_rank) if teed else None, getattr(text, "encoding", None))
 
-    async def pump(self, reader: asyncio.StreamReader, rank: int, local_rank: int, stream: str) -> None:
+    async def pump(self, reader: asyncio.StreamReader, rank: int, local_rank: int, stream: str,
+                   withheld: Withheld | None = None) -> None:
         """Copy one stream until EOF: to its file as it comes, to the console in whole lines (a
-        partial line is shown as it is after HOLD seconds, or at EOF, without a newline added)."""
+        partial line is shown as it is after HOLD seconds, or at EOF, without a newline added);
+        through ``withheld`` (a joiner's) when given."""
         files = self.files_for(local_rank) or {}
         sink: BinaryIO | None = open(files[stream], "ab") if stream in files else None  # noqa: SIM115 - closed below
-        console = self._console(rank, local_rank, stream)
+        console: _Console | _HeldConsole | None = self._console(rank, local_rank, stream)
+        if console is not None and withheld is not None:
+            console = _HeldConsole(console, withheld)
         loop = asyncio.get_running_loop()
         pending, since = b"", 0.0
         try:

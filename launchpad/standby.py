@@ -72,7 +72,7 @@ class Standby:
             return None
         assert proc.stdout is not None and proc.stderr is not None
         worker = workers.Worker(rank, local_rank, proc)
-        worker.pumps = workers.pump_output(router, rank, local_rank, proc.stdout, proc.stderr)
+        worker.start_output(router, proc.stdout, proc.stderr, env)
         log.get(rank=rank).info("worker.started", local_rank=local_rank, pid=proc.pid, standby=True)
         return worker
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from launchpad.output import OutputRouter
+from launchpad.output import OutputRouter, Withheld
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
 from torchpass_common import agent_channel, log
@@ -77,6 +77,14 @@ class Worker:
     host_pid: int | None = None
     control: int | None = None  # movable: launchpad's write end of the worker's control pipe
     moved: bool = False
+    withheld: Withheld | None = None  # a joiner's console output, kept back until its migration succeeded
+
+    def start_output(self, router: OutputRouter, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader,
+                     env: Mapping[str, str]) -> None:
+        """Copy its output streams to their per-rank destinations; a joiner's (TORCHPASS_JOIN) console
+        output is withheld until its migration succeeded (``withheld``)."""
+        self.withheld = Withheld() if env.get(agent_channel.ENV_JOIN) == "1" else None
+        self.pumps = pump_output(router, self.rank, self.local_rank, stdout, stderr, self.withheld)
 
     @property
     def pid(self) -> int:
@@ -139,7 +147,7 @@ async def spawn(spec: LaunchSpec, router: OutputRouter, rank: int, local_rank: i
             os.close(err_w)
         streams = (await pipe_reader(out_r), await pipe_reader(err_r))
     worker = Worker(rank, local_rank, proc)
-    worker.pumps = pump_output(router, rank, local_rank, *streams)
+    worker.start_output(router, *streams, env)
     log.get(rank=rank).info("worker.started", local_rank=local_rank, pid=proc.pid)
     return worker
 
@@ -153,7 +161,7 @@ async def pipe_reader(fd: int) -> asyncio.StreamReader:
 
 
 def pump_output(router: OutputRouter, rank: int, local_rank: int, stdout: asyncio.StreamReader,
-                stderr: asyncio.StreamReader) -> list[asyncio.Task[None]]:
+                stderr: asyncio.StreamReader, withheld: Withheld | None = None) -> list[asyncio.Task[None]]:
     """The tasks copying a worker's two output streams to their per-rank destinations."""
-    return [asyncio.create_task(router.pump(stdout, rank, local_rank, "stdout")),
-            asyncio.create_task(router.pump(stderr, rank, local_rank, "stderr"))]
+    return [asyncio.create_task(router.pump(stdout, rank, local_rank, "stdout", withheld)),
+            asyncio.create_task(router.pump(stderr, rank, local_rank, "stderr", withheld))]
