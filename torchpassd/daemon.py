@@ -313,9 +313,16 @@ class Orchestrator:
                   "lives, and no recovery came for them: every rank re-forms in place and resumes at the step "
                   "that failed")
         self.log.warning("recovery.stranded", job=job, ranks=ranks, node=node)
+        lost = sorted(w["rank"] for lp in view.launchpads.values() for w in lp.workers
+                      if w["rank"] in ranks and not w.get("registered"))
+        if lost:  # said while its launchpads still run: the recovery then ends the job
+            await self.tell_job(job, f"job {job} cannot be recovered: ranks {span(ranks)} were interrupted (a "
+                                     f"collective failed) and ranks {span(lost)} registered no save/load "
+                                     "(torchpass.register) to resume from, so the job ends; restart it from its "
+                                     "last checkpoint")
         flow = await self._reroute(job, time.time(), link_policy.Decision(link_policy.REROUTE, job, node,
                                                                           view.path, reason))
-        if flow.failure:  # e.g. ranks that registered no save/load: the job ends, and says why
+        if flow.failure and not lost:
             await self.tell_job(job, f"job {job} could not be recovered after ranks {span(ranks)} were "
                                      f"interrupted: {flow.failure}")
 
