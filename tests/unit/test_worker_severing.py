@@ -157,3 +157,32 @@ def test_a_descriptor_reused_between_the_look_and_the_cut_is_left_alone(monkeypa
 
 def severing_target(sock: socket.socket) -> str:
     return os.readlink(f"/proc/self/fd/{sock.fileno()}")
+
+
+def test_a_forked_child_disowns_the_parents_connections_and_the_parent_keeps_them() -> None:
+    """What a DataLoader's forked worker does at fork (torchpass.runtime): its copies of the worker's
+    connections (a listening socket bound to the node's address among them) point at /dev/null, so
+    criu finds none of them in the child; the parent's stay whole and usable."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    a, b = socket.socketpair()
+    other = socket.socket()  # not the worker's: left alone
+    held = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in (listener, a)}
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it disowned and what its descriptors are now
+        count = severing.disown(held)
+        now = [os.readlink(f"/proc/self/fd/{s.fileno()}") for s in (listener, a, other)]
+        os.write(w, json.dumps([count, now]).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        count, now = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert count == 2 and now[:2] == ["/dev/null", "/dev/null"] and now[2].startswith("socket:[")
+    a.sendall(b"still here")  # the parent's connection is whole
+    assert b.recv(16) == b"still here"
+    assert listener.getsockname()[1] > 0
+    for s in (listener, a, b, other):
+        s.close()
