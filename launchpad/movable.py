@@ -44,9 +44,13 @@ def unmovable() -> str:
     try:
         res = subprocess.run([*criu_spawn.PREFIX, "true"], capture_output=True, text=True, timeout=10,
                              stdin=subprocess.DEVNULL)
+        why = "" if res.returncode == 0 else f"{' '.join(criu_spawn.PREFIX)} failed here: {res.stderr.strip()[:200]}"
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot run {criu_spawn.PREFIX[0]}: {exc}"
-    return "" if res.returncode == 0 else f"{' '.join(criu_spawn.PREFIX)} failed here: {res.stderr.strip()[:200]}"
+        why = f"cannot run {criu_spawn.PREFIX[0]}: {exc}"
+    if why:
+        log.get().warning("worker.not_movable", why=why,
+                          hint="workers start as under torchrun: drains of an unregistered script are refused")
+    return why
 
 
 def restore_target() -> bool:

@@ -525,6 +525,7 @@ async def _tick(orch: Orchestrator, reports: Reports, every: float) -> None:
         await reports.release()
         orch.unplanned.detector.check()  # silence needs a clock
         orch.watch_stranded()
+        reports.announcer.tick()
         orch.kick()
 
 

@@ -64,14 +64,16 @@ def decide(mode: str, workers: Iterable[dict[str, Any]]) -> Protection:
 
 class Announcer:
     """Says each job's protection in its output once known, and again when it changes. Fed every
-    heartbeat; the job's protection is decided again only when a node's workers changed in what
-    decides it (a cost per heartbeat of that node's workers, not the job's)."""
+    heartbeat, which only notes whether a node's workers changed in what decides it; ``tick`` (once
+    a heartbeat interval) decides again for the jobs so noted: a job of thousands of nodes whose
+    workers all take their first step in the same second is decided once, not once a node."""
 
     def __init__(self, decide_for: Callable[[str], Protection], tell: Callable[[str, str], Awaitable[None]]) -> None:
         self.decide_for = decide_for  # job -> its protection now
         self.tell = tell  # (job, text): one line in the job's output
         self.said: dict[str, Protection] = {}
         self._facts: dict[tuple[str, str], tuple[tuple[Any, ...], ...]] = {}
+        self._changed: set[str] = set()
         self._telling: set[asyncio.Task[None]] = set()
 
     def on_heartbeat(self, job: str, node: str, body: dict[str, Any]) -> None:
@@ -79,19 +81,24 @@ class Announcer:
         facts = tuple(sorted((str(w.get("rank")), bool(w.get("registered")), bool(w.get("movable")),
                               int(w.get("step") or 0) >= 1, bool(w.get("joining")))
                              for w in (workers if isinstance(workers, list) else []) if isinstance(w, dict)))
-        if self._facts.get((job, node)) == facts:
-            return
-        self._facts[(job, node)] = facts
-        now = self.decide_for(job)
-        if not now.known or self.said.get(job) == now:
-            return
-        self.said[job] = now
-        how = f"protected by {now.flow} migration: {now.why}" if now.flow else f"not protected: {now.why}"
-        task = asyncio.create_task(self.tell(job, f"job {job} is {how}"))
-        self._telling.add(task)
-        task.add_done_callback(self._telling.discard)
+        if self._facts.get((job, node)) != facts:
+            self._facts[(job, node)] = facts
+            self._changed.add(job)
+
+    def tick(self) -> None:
+        changed, self._changed = self._changed, set()
+        for job in changed:
+            now = self.decide_for(job)
+            if not now.known or self.said.get(job) == now:
+                continue
+            self.said[job] = now
+            how = f"protected by {now.flow} migration: {now.why}" if now.flow else f"not protected: {now.why}"
+            task = asyncio.create_task(self.tell(job, f"job {job} is {how}"))
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
 
     def job_ended(self, job: str) -> None:
         self.said.pop(job, None)
+        self._changed.discard(job)
         for key in [k for k in self._facts if k[0] == job]:
             del self._facts[key]

@@ -66,16 +66,40 @@ def test_the_job_is_told_once_when_known_and_again_when_it_changes() -> None:
     async def main() -> None:
         ann = Announcer(lambda job: decide("auto", state["ws"]), tell)
         ann.on_heartbeat("7", "n1", {"workers": state["ws"]})  # not known yet: nothing said
+        ann.tick()
         state["ws"] = workers([False, False])
         for _ in range(3):  # the same facts, heartbeat after heartbeat: said once
             ann.on_heartbeat("7", "n1", {"workers": state["ws"]})
+            ann.tick()
             await asyncio.sleep(0)
         state["ws"] = workers([True, True])  # the script registered later on
         ann.on_heartbeat("7", "n1", {"workers": state["ws"]})
+        ann.tick()
         ann.on_heartbeat("7", "n1", {"workers": "garbage"})  # a malformed report decides nothing new
+        ann.tick()
         await asyncio.sleep(0)
 
     asyncio.run(main())
     assert [t for _, t in said] == [
         "job 7 is protected by transparent migration: the worker processes move whole with criu (no code change needed)",
         "job 7 is protected by aware migration: every rank registered save/load: its state moves to the spare"]
+
+
+def test_a_job_whose_nodes_all_change_at_once_is_decided_once_a_tick() -> None:
+    decided: list[str] = []
+
+    async def tell(job: str, text: str) -> None:
+        return None
+
+    def decide_for(job: str) -> protection.Protection:
+        decided.append(job)
+        return decide("auto", workers([False]))
+
+    async def main() -> None:
+        ann = Announcer(decide_for, tell)
+        for n in range(500):  # every node's workers take their first step
+            ann.on_heartbeat("7", f"n{n}", {"workers": workers([False])})
+        ann.tick()
+        ann.tick()  # nothing changed since
+    asyncio.run(main())
+    assert decided == ["7"]
