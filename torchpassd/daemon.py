@@ -287,14 +287,13 @@ class Orchestrator:
         self.current[job] = mig
         await self._conclude(mig, await mig.run())
 
-    async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> reroute.Reroute:
+    async def _reroute(self, job: str, seen: float, d: link_policy.Decision) -> None:
         mid, gen = await self.unplanned.open_record(job, reroute.MODE, d.node, d.reason)
         plan = unplanned.UnplannedPlan(job=job, source=d.node, gen=gen, evidence=[d.reason], failed_at=seen,
                                        path=d.ifname, path_before=self.d.registry.job(job).path)
         flow = reroute.Reroute(self.d, plan, mid, detected_at=time.time(), no_spare=self.unplanned.policy,
                                control_up=self.unplanned.control_up)
         await self.unplanned.run(flow, flow.run([]))
-        return flow
 
     def watch_stranded(self) -> None:
         """Re-form in place every job whose ranks were left interrupted with nobody lost (stranded.py)."""
@@ -313,18 +312,8 @@ class Orchestrator:
                   "lives, and no recovery came for them: every rank re-forms in place and resumes at the step "
                   "that failed")
         self.log.warning("recovery.stranded", job=job, ranks=ranks, node=node)
-        lost = sorted(w["rank"] for lp in view.launchpads.values() for w in lp.workers
-                      if w["rank"] in ranks and not w.get("registered"))
-        if lost:  # said while its launchpads still run: the recovery then ends the job
-            await self.tell_job(job, f"job {job} cannot be recovered: ranks {span(ranks)} were interrupted (a "
-                                     f"collective failed) and ranks {span(lost)} registered no save/load "
-                                     "(torchpass.register) to resume from, so the job ends; restart it from its "
-                                     "last checkpoint")
-        flow = await self._reroute(job, time.time(), link_policy.Decision(link_policy.REROUTE, job, node,
-                                                                          view.path, reason))
-        if flow.failure and not lost:
-            await self.tell_job(job, f"job {job} could not be recovered after ranks {span(ranks)} were "
-                                     f"interrupted: {flow.failure}")
+        # unregistered ranks cannot resume: the recovery then ends the job, saying why in its output
+        await self._reroute(job, time.time(), link_policy.Decision(link_policy.REROUTE, job, node, view.path, reason))
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
         """After a migration ended: done, or retried (a spare that failed: another spare; any other

@@ -653,10 +653,24 @@ class UnplannedRecovery(Flow):
             if not survivors_exit:
                 problems += await self._abort_on(p.in_place, {"hold": True})
         if survivors_exit:
+            await self._tell_job(f"job {p.job} cannot be recovered, so it ends (restart it from its last "
+                                 f"checkpoint): {reason}")
             problems += await self._abort_on(p.survivors, {"exit": True})
         self.d.metrics.migrations_total.inc(mode=self.mode, outcome="failed")
         await self.phase(FAILED, jn.FAILED, error=reason, problems=problems)
         return jn.FAILED
+
+    async def _tell_job(self, text: str) -> None:
+        """One line in the job's output, through a survivor's launchpad (the batch host's if it is
+        one), while they still run: said before they are told to exit. Best effort."""
+        survivors = self.plan.survivors
+        if not survivors:
+            return
+        node = self.view().batch_host if self.view().batch_host in survivors else survivors[0]
+        try:
+            await self.send(node, "notice", self.plan.gen, {"text": text}, timeout=self.t.reform)
+        except TorchPassError as exc:
+            self.log.warning("unplanned.notice_failed", node=node, error=str(exc))
 
 
 async def resume_after_restart(rec: UnplannedRecovery, phase: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.orchestrator_stubs import JOB, Launchpads, orchestrator
+from tests.support.orchestrator_stubs import JOB, orchestrator
 from torchpass_common import protocol
 from torchpassd.stranded import StrandedWatch
 
@@ -32,23 +32,17 @@ def test_interrupted_ranks_are_due_after_the_grace_and_only_while_nothing_runs()
     assert watch.due("k", _workers("interrupted"), now=21.0, busy=False) == []
 
 
-@pytest.mark.parametrize("registered", [True, False])
-def test_the_orchestrator_re_forms_a_stranded_job_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           registered: bool) -> None:
-    """Registered ranks resume; unregistered ones cannot, and the job's output is told so before the
-    recovery ends the job (its launchpads must still run to print it)."""
+def test_the_orchestrator_re_forms_a_stranded_job_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[tuple[str, str, str, str]] = []
-    launchpads = Launchpads()
 
     async def main() -> None:
-        orch, journal, _ = await orchestrator(tmp_path, launchpads)
+        orch, journal, _ = await orchestrator(tmp_path)
 
-        async def reroute(job: str, seen: float, d: object) -> object:
+        async def reroute(job: str, seen: float, d: object) -> None:
             started.append((job, d.node, d.ifname, d.reason))  # type: ignore[attr-defined]
-            return type("Flow", (), {"failure": None if registered else "workers never called register"})()
         monkeypatch.setattr(orch, "_reroute", reroute)
-        body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": "interrupted", "pid": 99,
-                                                     "registered": registered} for r in (2, 3)]}
+        body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": "interrupted", "pid": 99}
+                                                    for r in (2, 3)]}
         await orch.d.registry.on_message("n3", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
                                                                                body=body)))
         orch.stranded.grace_s = 0.0
@@ -60,9 +54,3 @@ def test_the_orchestrator_re_forms_a_stranded_job_in_place(tmp_path: Path, monke
     ((job, node, ifname, reason),) = started
     assert (job, node, ifname) == (JOB, "n3", "")
     assert reason.startswith("ranks 2-3 were left interrupted (a collective failed) while every node of the job lives")
-    if registered:
-        assert launchpads.notices == []
-    else:
-        assert launchpads.notices == [
-            "job 7 cannot be recovered: ranks 2-3 were interrupted (a collective failed) and ranks 2-3 registered "
-            "no save/load (torchpass.register) to resume from, so the job ends; restart it from its last checkpoint"]
