@@ -12,6 +12,7 @@ setup: deps venv spank
 deps:
 	@bash contrib/install/install-deps.sh
 	@bash contrib/install/install-criu.sh || echo "[setup] no private criu: the CRIU tests will be skipped (reason above)"
+	@bash contrib/install/install-promtool.sh || echo "[setup] no promtool: the alert-rules check will be skipped (reason above)"
 
 venv: $(STAMP)
 
