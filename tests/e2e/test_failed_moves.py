@@ -90,3 +90,30 @@ def test_ranks_interrupted_with_nobody_lost_are_not_left_waiting(
     out = job.out.read_text()
     said = [ln for ln in out.splitlines() if ln.startswith(f"torchpass: job {job.job} cannot be recovered")]
     assert len(said) == 1 and "never called torchpass.register(save, load)" in said[0], out[-3000:]
+
+
+@pytest.mark.matrix
+def test_registered_ranks_interrupted_with_nobody_lost_resume_bit_identical(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
+    """The same with a script that registered save/load (under --torchpass=transparent, whose workers
+    no watchdog kills): one worker is stopped past gloo's timeout, then goes on; every rank is
+    interrupted, nobody is lost, and the in-place re-form resumes them at the step that failed."""
+    job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, script=EXAMPLE,
+                   mode="transparent")
+    view = job.wait_running(torchpassd)
+    node = next(n for n in view["nodes"] if n != view["batch_host"])
+    pid = view["launchpads"][node]["workers"][0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+
+    def interrupted() -> bool:
+        return any(w["state"] == "interrupted" for lp in torchpassd.job(job.job)["launchpads"].values()
+                   for w in lp["workers"])
+    try:
+        wait_until("the peers' collective to time out", interrupted, 60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert_bit_identical(job.wait_done(), reference(STEPS, EXAMPLE))
+    devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
+    assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
+    (rec,) = [m for m in torchpassd.migrations(job.job) if m["mode"] == "reroute"]
+    assert rec["status"] == "succeeded" and "left interrupted" in rec["reason"], rec
