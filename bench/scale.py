@@ -64,7 +64,8 @@ async def _launchpad(broker: Any, job: str, node: str, rank: int, interval: floa
             seq += 1
             now = time.time()
             body: dict[str, Any] = {"node": node, "seq": seq, "workers": [
-                {"rank": rank, "step": int((now - t0) * 2), "state": "running", "pid": pid, "joining": False}]}
+                {"rank": rank, "step": int((now - t0) * 2), "state": "running", "pid": pid, "joining": False,
+                 "registered": True, "movable": True}]}  # as a launchpad of a script that registered save/load
             if now >= next_sample:  # like launchpad's Sampler: a GPU sample rides on the next heartbeat
                 body["gpu"], next_sample = encoder.encode(collector.sample()), now + sample_every
             try:
