@@ -40,24 +40,23 @@ def decide(mode: str, workers: Iterable[dict[str, Any]]) -> Protection:
     if not live or any(int(w.get("step") or 0) < 1 for w in live):
         return Protection("", AWAITING, known=False)
     unregistered = sorted(int(w["rank"]) for w in live if not w.get("registered"))
+    registered = sorted(int(w["rank"]) for w in live if w.get("registered"))
     unmovable = sorted(int(w["rank"]) for w in live if not w.get("movable"))
-    everyone = len(unregistered) == len(live)
-    if mode == AWARE or (mode == AUTO and unregistered and not everyone):
+    if mode == AWARE or (mode == AUTO and registered):  # model-aware: every rank's state must be there
         if not unregistered:
             return Protection(AWARE, "every rank registered save/load: its state moves to the spare")
-        did = f"ranks {span(sorted(set(int(w['rank']) for w in live) - set(unregistered)))} did, " \
-            if not everyone else ""
-        return Protection("", f"ranks {span(unregistered)} never called torchpass.register(save, load) "
-                              f"({did}a model-aware move needs every rank's), so a drain leaves the job where it "
-                              "is; register in every rank, or submit with a bare --torchpass or "
-                              "--torchpass=transparent to move the processes whole")
-    if mode == AUTO and not unregistered:
-        return Protection(AWARE, "every rank registered save/load: its state moves to the spare")
+        did = f"ranks {span(registered)} did, " if registered else ""
+        advice = ("register in every rank for a model-aware move, or in none for a transparent one" if mode == AUTO
+                  else "register in every rank, or submit with a bare --torchpass or --torchpass=transparent to "
+                       "move the processes whole")
+        return Protection("", f"ranks {span(unregistered)} never called torchpass.register(save, load) ({did}a "
+                              f"model-aware move needs every rank's state), so a drain leaves the job where it is; "
+                              f"{advice}")
     if unmovable:
         return Protection("", f"ranks {span(unmovable)} were not started movable (their launchpad could "
                               "not give them a PID namespace of their own), so criu cannot move them; see "
                               "the launchpad log on their node")
-    if mode == TRANSPARENT or everyone:
+    if mode in (TRANSPARENT, AUTO):  # auto here: no rank registered
         return Protection(TRANSPARENT, "the worker processes move whole with criu (no code change needed)")
     return Protection("", f"unknown --torchpass mode {mode!r}")
 

@@ -26,6 +26,7 @@ def test_auto_refuses_a_mixed_job_naming_the_ranks_on_each_side() -> None:
     got = decide("auto", workers([True, False, False, True]))
     assert got.flow == "" and got.known
     assert "ranks 1-2 never called torchpass.register" in got.why and "ranks 0, 3 did" in got.why
+    assert "register in every rank for a model-aware move, or in none for a transparent one" in got.why
 
 
 def test_aware_refuses_unregistered_ranks_and_says_what_to_do() -> None:
@@ -33,6 +34,7 @@ def test_aware_refuses_unregistered_ranks_and_says_what_to_do() -> None:
     assert got.flow == "" and "ranks 0-1 never called torchpass.register" in got.why
     assert "--torchpass=transparent" in got.why
     assert decide("aware", workers([True, True], movable=False)).flow == "aware"  # no criu needed
+    assert decide("sideways", workers([False])).why == "unknown --torchpass mode 'sideways'"
 
 
 def test_a_worker_that_cannot_move_whole_is_refused_for_transparent_moves() -> None:
