@@ -75,6 +75,7 @@ class Orchestrator:
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
         self.unplanned = unplanned.Driver(self, control_up)  # dead nodes -> recoveries (#7)
+        self.announcer = protection.Announcer(lambda job: self.d.registry.job(job).protection(), self.tell_job)
         self.log = log.get()
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Orchestrator:
                     asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "migration.blocked",
                                                           job_id=job, detail={"node": node, "why": why}))
                     if lasting:
-                        asyncio.create_task(self.tell_job(job, f"job {job} is not protected right now: {why}"))
+                        asyncio.create_task(self._tell_blocked(job, why))
                 view.blocked = why
                 continue
             view.blocked = ""
@@ -262,6 +263,10 @@ class Orchestrator:
                                         timeout=self.d.cfg.timeouts.reform)
         except TorchPassError as exc:
             self.log.warning("job.notice_failed", job=job, node=node, error=str(exc))
+
+    async def _tell_blocked(self, job: str, why: str) -> None:
+        await self.announcer.said_first(job)  # what protects the job, then why not right now
+        await self.tell_job(job, f"job {job} is not protected right now: {why}")
 
     def _spawn(self, job: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"migration-{job}")
@@ -574,9 +579,8 @@ async def serve(cfg: Config, *, slurm: SlurmClient | None = None, runner: SlurmR
                           lambda job, node: retained.clear(job, (node,)))
         straggler = StragglerWatch(cfg.straggler, journal, migrate=orch.request, counter=metrics.stragglers_total)
         paths = link_policy.PathWatch(cfg.links, registry.job, orch.on_links)
-        announcer = protection.Announcer(lambda job: registry.job(job).protection(), orch.tell_job)
         reports = Reports(gate, registry, commander, metrics, health, straggler, paths, orch.unplanned.detector,
-                          announcer)
+                          orch.announcer)
         tasks = [asyncio.create_task(reports.pump(client)),
                  asyncio.create_task(sdnotify.watchdog_loop())]
         async with ControlServer(cfg.orchestrator.control_socket,

@@ -73,7 +73,7 @@ class Announcer:
         self.said: dict[str, Protection] = {}
         self._facts: dict[tuple[str, str], tuple[tuple[Any, ...], ...]] = {}
         self._changed: set[str] = set()
-        self._telling: set[asyncio.Task[None]] = set()
+        self._telling: dict[str, asyncio.Task[None]] = {}  # job -> its line being told
 
     def on_heartbeat(self, job: str, node: str, body: dict[str, Any]) -> None:
         workers = body.get("workers")
@@ -87,14 +87,31 @@ class Announcer:
     def tick(self) -> None:
         changed, self._changed = self._changed, set()
         for job in changed:
-            now = self.decide_for(job)
-            if not now.known or self.said.get(job) == now:
-                continue
-            self.said[job] = now
-            how = f"protected by {now.flow} migration: {now.why}" if now.flow else f"not protected: {now.why}"
-            task = asyncio.create_task(self.tell(job, f"job {job} is {how}"))
-            self._telling.add(task)
-            task.add_done_callback(self._telling.discard)
+            self._decide(job)
+
+    async def said_first(self, job: str) -> None:
+        """Decide ``job`` now and wait until its protection line is in its output (or failed):
+        what protects a job comes before any line saying why it is not protected right now."""
+        self._changed.discard(job)
+        self._decide(job)
+        if (task := self._telling.get(job)) is not None:
+            await asyncio.shield(task)
+
+    def _decide(self, job: str) -> None:
+        now = self.decide_for(job)
+        if not now.known or self.said.get(job) == now:
+            return
+        self.said[job] = now
+        how = f"protected by {now.flow} migration: {now.why}" if now.flow else f"not protected: {now.why}"
+        before = self._telling.get(job)
+
+        async def tell() -> None:
+            if before is not None:  # in the order decided
+                await asyncio.shield(before)
+            await self.tell(job, f"job {job} is {how}")
+        task = asyncio.create_task(tell())
+        self._telling[job] = task
+        task.add_done_callback(lambda t: self._telling.pop(job, None) if self._telling.get(job) is t else None)
 
     def job_ended(self, job: str) -> None:
         self.said.pop(job, None)

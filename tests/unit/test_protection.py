@@ -105,3 +105,26 @@ def test_a_job_whose_nodes_all_change_at_once_is_decided_once_a_tick() -> None:
         ann.tick()  # nothing changed since
     asyncio.run(main())
     assert decided == ["7"]
+
+
+def test_what_protects_a_job_is_said_before_why_it_is_not_protected_right_now() -> None:
+    """A drain blocked (no spare free) before the first tick: the job's output still reads
+    protection first, even when telling that takes longer than telling the block."""
+    said: list[str] = []
+
+    async def tell(job: str, text: str) -> None:
+        if "protected by" in text:
+            await asyncio.sleep(0.05)  # a slow first notice (its command redelivered)
+        said.append(text)
+
+    async def main() -> None:
+        ann = Announcer(lambda job: decide("auto", workers([True, True])), tell)
+        ann.on_heartbeat("7", "n1", {"workers": workers([True, True])})
+        await ann.said_first("7")
+        await tell("7", "job 7 is not protected right now: no spare free")
+        ann.tick()  # decided already: not said twice
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert said == ["job 7 is protected by aware migration: every rank registered save/load: its state moves to the spare",
+                    "job 7 is not protected right now: no spare free"]
