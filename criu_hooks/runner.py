@@ -48,7 +48,9 @@ def dump(pid: int, images: Path, *, tcp_close: bool = True, timeout: float = 120
     the rest, a few hundred KB, to be shipped). Raises CriuFailed; the tree then runs on."""
     where = where or {}
     images.mkdir(parents=True, exist_ok=True)
-    argv = ["dump", "-t", str(pid), "-D", str(images), "--leave-stopped"]
+    # --link-remap: a file mapped by a name since unlinked but linked by another (glibc's sem_open
+    # does that) is dumped by a link criu makes (node_files.py carries it to the spare)
+    argv = ["dump", "-t", str(pid), "-D", str(images), "--leave-stopped", "--link-remap"]
     if tcp_close:
         argv.append("--tcp-close")
     if page_server:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from criu_hooks import image_owner, preflight, runner
+from criu_hooks import image_owner, node_files, preflight, runner
 from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
@@ -76,6 +76,7 @@ class Transparent:
         self.agent = agent
         self.incoming: dict[str, _Incoming] = {}
         self.originals: dict[str, workers.Worker] = {}  # migration -> the dumped, stopped worker
+        self.node_files: dict[str, node_files.Collected] = {}  # migration -> what its tree held in /dev/shm
         self.handlers = {"preflight": self.preflight, "prepare_restore": self.prepare_restore,
                          "checkpoint": self.checkpoint, "restore": self.restore, "discard": self.discard,
                          "resume_original": self.resume_original}
@@ -176,10 +177,14 @@ class Transparent:
             dumped = await asyncio.to_thread(runner.dump, w.pid, images, tcp_close=not fault, page_server=page,
                                              timeout=timeouts.decision, where=where)
         except (CriuFailed, CriuUnavailable) as exc:
+            await asyncio.to_thread(node_files.drop_remaps, runner.tree(w.pid))
             self._tell(w, rank)  # criu left it running: back on this channel, still parked
             await self._reattached(w.pid, link, rank)
             raise MigrationError(f"criu dump failed, rank {rank} goes on here: {exc.message}", **where) from exc
         self.originals[_key(migration, rank)] = w
+        held = self.node_files[_key(migration, rank)] = await asyncio.to_thread(node_files.collect,
+                                                                                runner.tree(w.pid), images)
+        resources["node_files"] = held.files.to_wire()
         from launchpad.wormhole import File, send_state  # imports torch (seconds): not at launchpad's start
 
         t0 = time.monotonic()
@@ -206,6 +211,8 @@ class Transparent:
                 continue
             w.moved = True
             runner.discard_original(w.pid)
+            if held := self.node_files.pop(_key(migration, rank), None):
+                node_files.release(held)
             if w.control is not None:
                 os.close(w.control)
                 w.control = None
@@ -221,6 +228,7 @@ class Transparent:
             w = self.originals.pop(_key(migration, rank), None)
             if w is None:
                 continue
+            self.node_files.pop(_key(migration, rank), None)  # its tree holds them on here
             old = self.agent.channel.links.get(w.pid)
             runner.resume_original(w.pid)
             self._tell(w, w.rank)
@@ -290,6 +298,7 @@ class Transparent:
             for f in inc.images.glob("pages-*.img"):
                 f.unlink()
         res = received["resources"]
+        held = node_files.NodeFiles.from_wire(res.get("node_files"))
         loop = asyncio.get_running_loop()
         fds: list[int] = []
         try:
@@ -301,11 +310,14 @@ class Transparent:
             ctl_r, ctl_w = os.pipe()
             fds += [ctl_r]
             inherit[res["control"]] = ctl_r
+            placed: list[str] = []
             try:  # images from the network restore only as this job's user (criu may run privileged)
                 image_owner.check(inc.images, uid=os.getuid(), gids={os.getgid(), *os.getgroups()}, where=where)
+                placed = node_files.place(held, inc.images)
                 restored = await asyncio.to_thread(runner.restore, inc.images, inherit=inherit,
                                                    timeout=self.agent.timeouts.decision, where=where)
             except (CriuFailed, CriuUnavailable) as exc:
+                node_files.unplace(placed)
                 os.close(ctl_w)
                 raise CannotMove(f"criu restore failed: {exc.message}",
                                  hint="the original worker is still on its node, stopped: resume it",

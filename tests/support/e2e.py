@@ -279,18 +279,20 @@ def reference(e2e_dir: Path) -> Callable[..., Reference]:
     return get
 
 
-def reference_log(workdir: Path, ranks: int, steps: int, script: Path = EXAMPLE) -> Path:
-    """The example training (or ``script``) on ``ranks`` ranks for ``steps`` steps without a failure
-    (launchpad on this machine): its log, run once per session (kept in the first asker's ``workdir``)."""
+def reference_log(workdir: Path, ranks: int, steps: int, script: Path = EXAMPLE, args: str = "") -> Path:
+    """The example training (or ``script``, with ``args``) on ``ranks`` ranks for ``steps`` steps
+    without a failure (launchpad on this machine): its log, run once per session (kept in the first
+    asker's ``workdir``)."""
     def run() -> Path:
-        log = workdir / f"reference-{script.stem}-{ranks}x{steps}.log"
+        tag = "-".join(a.lstrip("-") for a in args.split())
+        log = workdir / f"reference-{script.stem}-{ranks}x{steps}{'-' + tag if tag else ''}.log"
         log.unlink(missing_ok=True)
         res = subprocess.run([sys.executable, "-m", "launchpad", "--standalone", "--nproc-per-node", str(ranks),
-                              str(script), "--steps", str(steps), "--log", str(log)],
+                              str(script), "--steps", str(steps), "--log", str(log), *args.split()],
                              timeout=600, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
         return log
-    return once_per_session(("launchpad", ranks, steps, script), run)
+    return once_per_session(("launchpad", ranks, steps, script, args), run)
 
 
 PROGRESS = re.compile(r"^rank (\d+) step (\d+) loss ", re.M)  # the examples' progress lines

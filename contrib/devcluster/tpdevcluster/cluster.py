@@ -157,6 +157,7 @@ def down(inst: Instance, say: Say) -> None:
         procs.signal_pids(rest, signal.SIGKILL)
         time.sleep(0.05)
     netns.destroy(inst)
+    shutil.rmtree(inst.shm_dir, ignore_errors=True)
     for name in pids:
         inst.pidfile(name).unlink(missing_ok=True)
         inst.spawn_record(name).unlink(missing_ok=True)

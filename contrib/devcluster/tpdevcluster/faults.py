@@ -5,6 +5,7 @@ starts from a clean, fully usable cluster without a restart."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 
@@ -32,6 +33,7 @@ def kill_node(inst: Instance, node: str, say: Say) -> None:
         procs.signal_pids(pids, signal.SIGKILL)
         killed.update(pids)
         time.sleep(0.02)
+    shutil.rmtree(inst.node_shm(node), ignore_errors=True)  # a dead tray's memory is gone with it
     say(f"{node}: killed {len(killed)} processes; the controller will notice (NOT_RESPONDING ~13 s)")
 
 

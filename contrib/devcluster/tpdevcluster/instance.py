@@ -67,6 +67,15 @@ class Instance:
         return self.state_dir / name
 
     @property
+    def shm_dir(self) -> Path:
+        """Where the nodes' own /dev/shm directories live on the host (a tmpfs, as /dev/shm is)."""
+        return Path(f"/dev/shm/tpdc{self.id}")
+
+    def node_shm(self, node: str) -> Path:
+        """``node``'s /dev/shm, as the host sees it: each node has its own, as real nodes do."""
+        return self.shm_dir / node
+
+    @property
     def etc(self) -> Path:
         return self.sub("etc")
 

@@ -151,12 +151,15 @@ def link_is_up(inst: Instance, node: str, iface: str = "eth0") -> bool:
 
 def on_node(inst: Instance, node: str, argv: list[str]) -> list[str]:
     """argv wrapped to run inside ``node``: its netns, a UTS namespace with hostname = node, and a
-    private mount namespace with the node's /etc/hosts and resolv.conf. Not `ip netns exec`: it
-    remounts /sys, hides /sys/fs/cgroup, and slurmd 22.05 then refuses to start."""
+    private mount namespace with the node's /etc/hosts and resolv.conf and its own /dev/shm (a
+    move that forgot what a process holds there fails here as it would between real nodes). Not
+    `ip netns exec`: it remounts /sys, hides /sys/fs/cgroup, and slurmd 22.05 then refuses to start."""
     inst.node_index(node)
+    shm = inst.node_shm(node)
     setup = (f"echo {node} > /proc/sys/kernel/hostname"
              f" && mount --bind {inst.etc}/hosts /etc/hosts"
              f" && mount --bind {inst.etc}/resolv.conf /etc/resolv.conf"
+             f" && mkdir -p {shm} && chmod 1777 {shm} && mount --bind {shm} /dev/shm"
              ' && exec "$@"')
     return [tool("nsenter"), f"--net=/run/netns/{inst.netns(node)}",
             tool("unshare"), "--uts", "--mount", "--propagation", "private",
