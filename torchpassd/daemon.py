@@ -52,7 +52,7 @@ from torchpassd.registry import JobView, Registry
 from torchpassd.report_gate import ReportGate
 from torchpassd.retained import RetainedStates
 from torchpassd.straggler import StragglerWatch
-from torchpassd.stranded import StrandedWatch
+from torchpassd.stranded import StallWatch, StrandedWatch
 
 RETRY_AFTER_S = 5.0  # a rolled-back migration's first retry; each later one waits twice as long
 RETRIES = 3  # retries of a rolled-back migration per incident (job, node); then it is given up
@@ -71,6 +71,7 @@ class Orchestrator:
         self.rollbacks: dict[tuple[str, str], int] = {}  # migrations of this incident that rolled back
         t = deps.cfg.timeouts  # a stranded rank waits for the failure detector first
         self.stranded = StrandedWatch(t.heartbeat_dead_after + 2 * t.heartbeat_interval)
+        self.stalls = StallWatch(t.heartbeat_dead_after + 2 * t.heartbeat_interval)
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
@@ -94,6 +95,7 @@ class Orchestrator:
                 self.pending.pop(key)
             self.reroutes.pop(job, None)
             self.stranded.forget(job)
+            self.stalls.forget(job)
             with contextlib.suppress(jn.JournalError):
                 await asyncio.to_thread(self.d.journal.end_job, job, e.state or "ENDED")
         elif isinstance(e, ev.NodeDraining | ev.NodeDrained | ev.NodeFailed) and e.jobs:
@@ -301,24 +303,33 @@ class Orchestrator:
         await self.unplanned.run(flow, flow.run([]))
 
     def watch_stranded(self) -> None:
-        """Re-form in place every job whose ranks were left interrupted with nobody lost (stranded.py)."""
+        """Re-form in place every job left without progress with nobody lost (stranded.py): ranks
+        left interrupted, or no step completed for a while after a change of the job ended."""
         now = time.monotonic()
         for job, view in list(self.d.registry.jobs.items()):
             busy = (job in self.active or self.unplanned.waits(job) or job in self.reroutes
                     or job in self.unplanned.given_up)  # given up: its ranks were told to exit
-            workers = [w for lp in view.launchpads.values() if lp.online for w in lp.workers]
+            online = [lp for lp in view.launchpads.values() if lp.online]
+            workers = [w for lp in online for w in lp.workers]
+            rate = max((lp.steps_per_s for lp in online), default=0.0)
             if ranks := self.stranded.due(job, workers, now, busy):
-                self._spawn(job, self._reform_in_place(job, ranks))
+                self._reform_in_place(job, ranks, f"ranks {span(ranks)} were left interrupted (a collective "
+                                                  "failed) while every node of the job lives, and no recovery came "
+                                                  "for them")
+            elif self.stalls.due(job, workers, rate, now, busy):
+                self._reform_in_place(job, sorted(int(w["rank"]) for w in workers),
+                                      f"the job completed no step for {self.stalls.limit(job):.0f} s after its "
+                                      "last migration or recovery ended (a rank waits on something that will "
+                                      "not come)")
 
-    async def _reform_in_place(self, job: str, ranks: list[int]) -> None:
+    def _reform_in_place(self, job: str, ranks: list[int], why: str) -> None:
         view = self.d.registry.job(job)
         node = min(n for n, lp in view.launchpads.items() if any(w["rank"] in ranks for w in lp.workers))
-        reason = (f"ranks {span(ranks)} were left interrupted (a collective failed) while every node of the job "
-                  "lives, and no recovery came for them: every rank re-forms in place and resumes at the step "
-                  "that failed")
-        self.log.warning("recovery.stranded", job=job, ranks=ranks, node=node)
+        self.log.warning("recovery.stranded", job=job, ranks=ranks, node=node, why=why)
         # unregistered ranks cannot resume: the recovery then ends the job, saying why in its output
-        await self._reroute(job, time.time(), link_policy.Decision(link_policy.REROUTE, job, node, view.path, reason))
+        reason = f"{why}: every rank re-forms in place and resumes at the step that failed"
+        self._spawn(job, self._reroute(job, time.time(),
+                                       link_policy.Decision(link_policy.REROUTE, job, node, view.path, reason)))
 
     async def _conclude(self, mig: planned.PlannedMigration, status: str) -> None:
         """After a migration ended: done, or retried (a spare that failed: another spare; any other

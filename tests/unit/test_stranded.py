@@ -1,7 +1,9 @@
-"""Ranks left interrupted with nobody lost (a collective timed out while every node lives, e.g.
-during a migration that rolled back) are not left waiting for ever: once they have waited out the
-failure detector's grace with nothing of the job running, the orchestrator re-forms the job in
-place (a reroute onto the path it has), and says so in the job's output if that fails."""
+"""Jobs left without progress with nobody lost are not left waiting for ever: ranks left
+interrupted (a collective timed out while every node lives, e.g. during a migration that rolled
+back) once they waited out the failure detector's grace with nothing of the job running, and a job
+that completes no step for 5 of its step times after a migration or recovery ended (a rank waits on
+something that will not come): the orchestrator re-forms the job in place (a reroute onto the path
+it has), and says so in the job's output if that fails."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 
 from tests.support.orchestrator_stubs import JOB, orchestrator
 from torchpass_common import protocol
-from torchpassd.stranded import StrandedWatch
+from torchpassd.stranded import STALL_STEPS, StallWatch, StrandedWatch
 
 
 def _workers(*states: str) -> list[dict[str, object]]:
@@ -54,3 +56,60 @@ def test_the_orchestrator_re_forms_a_stranded_job_in_place(tmp_path: Path, monke
     ((job, node, ifname, reason),) = started
     assert (job, node, ifname) == (JOB, "n3", "")
     assert reason.startswith("ranks 2-3 were left interrupted (a collective failed) while every node of the job lives")
+
+
+def _stepping(step: int, state: str = "running", **more: object) -> list[dict[str, object]]:
+    return [{"rank": r, "step": step, "state": state, **more} for r in range(2)]
+
+
+def test_a_job_that_steps_no_more_after_a_change_ended_is_stalled_once() -> None:
+    watch = StallWatch(floor_s=5.0)
+    assert not watch.due("j", _stepping(10), steps_per_s=0.5, now=0.0, busy=False)  # steady: 2 s a step
+    assert not watch.due("j", _stepping(10), steps_per_s=0.5, now=50.0, busy=False)  # no change ran: not watched
+    assert not watch.due("j", _stepping(10), steps_per_s=0.0, now=51.0, busy=True)  # a migration runs
+    assert not watch.due("j", _stepping(10), steps_per_s=0.0, now=52.0, busy=False)  # it ended: watched
+    assert watch.limit("j") == STALL_STEPS * 2.0
+    assert not watch.due("j", _stepping(11), steps_per_s=0.0, now=60.0, busy=False)  # progress restarts the clock
+    assert not watch.due("j", _stepping(11), steps_per_s=0.0, now=69.9, busy=False)
+    assert watch.due("j", _stepping(11), steps_per_s=0.0, now=70.0, busy=False)
+    assert not watch.due("j", _stepping(11), steps_per_s=0.0, now=90.0, busy=False)  # answered once
+
+
+def test_a_job_going_on_or_ending_after_a_change_is_not_stalled() -> None:
+    watch = StallWatch(floor_s=5.0)
+    for job in ("on", "ends", "interrupted"):
+        watch.due(job, _stepping(10), steps_per_s=10.0, now=0.0, busy=True)
+        watch.due(job, _stepping(10), steps_per_s=0.0, now=1.0, busy=False)
+    assert watch.limit("on") == 5.0  # never below the floor (fast steps)
+    for n, now in enumerate((2.0, 3.0, 4.0)):
+        assert not watch.due("on", _stepping(11 + n), steps_per_s=0.0, now=now, busy=False)
+    assert not watch.due("on", _stepping(13), steps_per_s=0.0, now=100.0, busy=False)  # settled: watched no longer
+    assert not watch.due("ends", _stepping(10, exit_code=0), steps_per_s=0.0, now=100.0, busy=False)
+    assert not watch.due("interrupted", _stepping(10, "interrupted"), steps_per_s=0.0, now=100.0, busy=False)
+
+
+def test_the_orchestrator_re_forms_a_job_stalled_after_a_migration(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[str] = []
+
+    async def main() -> None:
+        orch, journal, _ = await orchestrator(tmp_path)
+
+        async def reroute(job: str, seen: float, d: object) -> None:
+            started.append(d.reason)  # type: ignore[attr-defined]
+        monkeypatch.setattr(orch, "_reroute", reroute)
+        body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": "running", "pid": 99}
+                                                    for r in (2, 3)]}
+        await orch.d.registry.on_message("n3", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
+                                                                               body=body)))
+        orch.stalls.floor_s = 0.0
+        orch.reroutes[JOB] = (0.0, None)  # type: ignore[assignment] # a change of the job runs ...
+        orch.watch_stranded()
+        del orch.reroutes[JOB]  # ... and ended
+        orch.watch_stranded()
+        orch.watch_stranded()
+        await asyncio.sleep(0.1)
+        journal.close()
+    asyncio.run(main())
+    (reason,) = started
+    assert reason.startswith("the job completed no step for 0 s after its last migration or recovery ended"), reason
