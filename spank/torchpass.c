@@ -128,10 +128,27 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	return 0;
 }
 
-/* Remote side: every task of a TorchPass step finds the shim's torchrun first on PATH. */
+/* Put dir first on the task's variable var (a colon-separated list), unless it is already. */
+static void prepend(spank_t sp, const char *var, const char *dir)
+{
+	char old[8192], value[sizeof(old) + 4096 + 2];
+	size_t len = strlen(dir);
+
+	if (spank_getenv(sp, var, old, sizeof(old)) != ESPANK_SUCCESS)
+		old[0] = '\0';
+	if (!strncmp(old, dir, len) && (old[len] == ':' || old[len] == '\0'))
+		return;   /* already first: an srun inside a --torchpass batch job */
+	snprintf(value, sizeof(value), "%s%s%s", dir, old[0] ? ":" : "", old);
+	if (spank_setenv(sp, var, value, 1) != ESPANK_SUCCESS)
+		slurm_error("torchpass: cannot put %s first on %s", dir, var);
+}
+
+/* Remote side: every task of a TorchPass step finds the shim's torchrun first on PATH, and its
+ * Python the shim's start-up hook (python/sitecustomize.py: `python -m torch.distributed.run`
+ * and a torchrun given by its full path run launchpad too). */
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
 {
-	char path[8192], newpath[sizeof(path) + sizeof(shimdir) + 1], n[24];
+	char pydir[sizeof(shimdir) + 8], n[24];
 	size_t len = strlen(shimdir);
 
 	if (!enabled || !spank_remote(sp))
@@ -147,12 +164,8 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		slurm_error("torchpass: no shimdir= in plugstack.conf: torchrun is not replaced by launchpad");
 		return 0;
 	}
-	if (spank_getenv(sp, "PATH", path, sizeof(path)) != ESPANK_SUCCESS)
-		path[0] = '\0';
-	if (!strncmp(path, shimdir, len) && (path[len] == ':' || path[len] == '\0'))
-		return 0;   /* already first: an srun inside a --torchpass batch job */
-	snprintf(newpath, sizeof(newpath), "%s%s%s", shimdir, path[0] ? ":" : "", path);
-	if (spank_setenv(sp, "PATH", newpath, 1) != ESPANK_SUCCESS)
-		slurm_error("torchpass: cannot put %s first on PATH", shimdir);
+	prepend(sp, "PATH", shimdir);
+	snprintf(pydir, sizeof(pydir), "%s/python", shimdir);
+	prepend(sp, "PYTHONPATH", pydir);
 	return 0;
 }

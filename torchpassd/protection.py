@@ -15,6 +15,8 @@ from slurm_plugin.model import AUTO, AWARE, TRANSPARENT
 from torchpass_common.rank_ranges import span
 
 AWAITING = "waiting for the workers' first step (whether they registered save/load decides the mode)"
+NO_LAUNCHPAD = ("no launchpad of the job has reported: a `srun torchrun` step starts one a node (a step of "
+                "`srun python`, one task a rank, is not protected yet)")
 
 
 @dataclass(frozen=True)

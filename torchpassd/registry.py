@@ -98,6 +98,8 @@ class JobView:
 
     def protection(self) -> protection.Protection:
         """Which migration protects the job now, from what the workers of its online launchpads did."""
+        if not self.launchpads:
+            return protection.Protection("", protection.NO_LAUNCHPAD, known=False)
         return protection.decide(self.mode, [w for lp in self.launchpads.values() if lp.online for w in lp.workers])
 
     def describe(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The SPANK plugin and cli_filter on the real dev cluster: `--torchpass` is offered and accepted,
-the job gets its mode and --no-kill, `srun torchrun` runs launchpad only in TorchPass jobs, and a
+the job gets its mode and --no-kill, `srun torchrun` (or torchrun by another name: `python -m
+torch.distributed.run`, its full path) runs launchpad only in TorchPass jobs, and a
 TorchPass job survives one of its nodes going down."""
 
 from __future__ import annotations
@@ -87,6 +88,50 @@ def test_srun_torchrun_runs_launchpad_only_under_torchpass(devcluster: DevCluste
     assert "Usage: launchpad" in out_with.read_text()
     plain = out_without.read_text()
     assert "usage: torchrun" in plain and "launchpad" not in plain
+
+
+def test_torchrun_by_another_name_runs_launchpad_only_under_torchpass(devcluster: DevCluster,
+                                                                      torchpass_conf: str) -> None:
+    """``python -m torch.distributed.run`` and a torchrun given by its full path are torchrun too; the
+    start-up hook that makes them so leaves other Python alone and runs the user's own sitecustomize."""
+    devcluster.reset()
+    mine = devcluster.jobs_dir / f"site-{uuid.uuid4().hex[:8]}"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("print('the user sitecustomize ran')\n")
+    venv = ROOT / ".venv" / "bin"
+    script = (f"srun -N1 {venv}/python -m torch.distributed.run --help 2>&1 | head -3\n"
+              f"srun -N1 {venv}/torchrun --help 2>&1 | head -3\n"
+              f"PYTHONPATH={mine} srun -N1 {venv}/python -c 'print(\"plain python\")'\n")
+    with_flag, out_with = submit(devcluster, torchpass_conf, script, "--torchpass", "-N1")
+    without, out_without = submit(devcluster, torchpass_conf, script, "-N1")
+    devcluster.wait_job_state(with_flag, "COMPLETED", timeout=90)
+    devcluster.wait_job_state(without, "COMPLETED", timeout=90)
+    text = out_with.read_text()
+    assert text.count("Usage: launchpad") == 2, text
+    assert "the user sitecustomize ran\nplain python" in text, text
+    plain = out_without.read_text()
+    assert plain.count("usage: torchrun") == 2 and "launchpad" not in plain, plain
+    assert "the user sitecustomize ran\nplain python" in plain, plain
+
+
+def test_a_step_of_bare_python_tasks_says_once_that_it_is_not_protected(devcluster: DevCluster,
+                                                                        torchpass_conf: str) -> None:
+    """``srun python`` one task a rank (Lightning, submitit) runs no launchpad: its output says so
+    once, whatever the number of tasks; a one-task step and a job without --torchpass say nothing."""
+    devcluster.reset()
+    venv = ROOT / ".venv" / "bin"
+    script = (f"srun -N2 --ntasks-per-node=2 {venv}/python -c 'print(\"task\")'\n"
+              f"srun -N1 -n1 {venv}/python -c 'print(\"one task\")'\n")
+    with_flag, out_with = submit(devcluster, torchpass_conf, script, "--torchpass", "-N2")
+    without, out_without = submit(devcluster, torchpass_conf, script, "-N2")
+    devcluster.wait_job_state(with_flag, "COMPLETED", timeout=90)
+    devcluster.wait_job_state(without, "COMPLETED", timeout=90)
+    said = [ln for ln in out_with.read_text().splitlines() if ln.startswith("torchpass:")]
+    assert said == [f"torchpass: job {with_flag} is not protected: its step 0 runs each of its 4 tasks' Python "
+                    "directly (srun python, one task a rank), which no launchpad supervises yet; run the script "
+                    "under `srun torchrun --nproc-per-node=<ranks a node>` (one task a node) to have it protected"], said
+    assert out_with.read_text().count("task\n") == 4 and "one task" in out_with.read_text()
+    assert "torchpass" not in out_without.read_text()
 
 
 def test_torchpass_job_survives_a_node_going_down(devcluster: DevCluster, torchpass_conf: str) -> None:

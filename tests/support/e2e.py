@@ -216,19 +216,20 @@ class Training:
 
     def __init__(self, cluster: DevCluster, config: Path, workdir: Path, *, steps: int, step_sleep: float,
                  nodes: int = 4, nproc: int = 1, script: Path = EXAMPLE, args: str = "", mode: str = "aware",
-                 torchrun_args: str = "", cwd: Path | None = None, spares: int = 0) -> None:
+                 torchrun_args: str = "", cwd: Path | None = None, spares: int = 0, launcher: str = "torchrun") -> None:
         """``config``: installed as the site's torchpass.toml before the job starts; ``script`` trains
         (with ``args``; ``mode``: its --torchpass mode); ``torchrun_args``: more torchrun options;
         ``cwd``: where sbatch runs (the job's working directory), ``workdir`` by default; ``spares``:
         hot spares in the job's allocation (``sbatch -N nodes+spares --torchpass-spares``, torchrun's
-        ``--nnodes $SLURM_NNODES`` as users write it)."""
+        ``--nnodes $SLURM_NNODES`` as users write it); ``launcher``: how the script runs torchrun
+        (``python -m torch.distributed.run``, a full path)."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
         self.out = workdir / "slurm-%j.out"
         install_site_config(cluster, config)
         script = ("#!/bin/bash\n" +
-                  f"srun torchrun --nnodes {'$SLURM_NNODES' if spares else nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
+                  f"srun {launcher} --nnodes {'$SLURM_NNODES' if spares else nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
                   "--rdzv-endpoint $SLURMD_NODENAME:29500 "
                   f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
