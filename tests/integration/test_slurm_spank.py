@@ -101,7 +101,8 @@ def test_torchrun_by_another_name_runs_launchpad_only_under_torchpass(devcluster
     venv = ROOT / ".venv" / "bin"
     script = (f"srun -N1 {venv}/python -m torch.distributed.run --help 2>&1 | head -3\n"
               f"srun -N1 {venv}/torchrun --help 2>&1 | head -3\n"
-              f"PYTHONPATH={mine} srun -N1 {venv}/python -c 'print(\"plain python\")'\n")
+              f"PYTHONPATH={mine} srun -N1 {venv}/python -c 'print(\"plain python\")'\n"
+              f"srun -N1 {venv}/python -c 'print(\"no sitecustomize of its own\")'\n")
     with_flag, out_with = submit(devcluster, torchpass_conf, script, "--torchpass", "-N1")
     without, out_without = submit(devcluster, torchpass_conf, script, "-N1")
     devcluster.wait_job_state(with_flag, "COMPLETED", timeout=90)
@@ -109,8 +110,9 @@ def test_torchrun_by_another_name_runs_launchpad_only_under_torchpass(devcluster
     text = out_with.read_text()
     assert text.count("Usage: launchpad") == 2, text
     assert "the user sitecustomize ran\nplain python" in text, text
+    assert "no sitecustomize of its own" in text and "Error in sitecustomize" not in text, text
     plain = out_without.read_text()
-    assert plain.count("usage: torchrun") == 2 and "launchpad" not in plain, plain
+    assert plain.count("usage: ") == 2 and "launchpad" not in plain, plain  # torch's own (run.py, torchrun)
     assert "the user sitecustomize ran\nplain python" in plain, plain
 
 
@@ -120,7 +122,7 @@ def test_a_step_of_bare_python_tasks_says_once_that_it_is_not_protected(devclust
     once, whatever the number of tasks; a one-task step and a job without --torchpass say nothing."""
     devcluster.reset()
     venv = ROOT / ".venv" / "bin"
-    script = (f"srun -N2 --ntasks-per-node=2 {venv}/python -c 'print(\"task\")'\n"
+    script = (f"srun -O -N2 --ntasks-per-node=2 {venv}/python -c 'print(\"task\")'\n"  # -O: 1 CPU a node
               f"srun -N1 -n1 {venv}/python -c 'print(\"one task\")'\n")
     with_flag, out_with = submit(devcluster, torchpass_conf, script, "--torchpass", "-N2")
     without, out_without = submit(devcluster, torchpass_conf, script, "-N2")
@@ -130,7 +132,8 @@ def test_a_step_of_bare_python_tasks_says_once_that_it_is_not_protected(devclust
     assert said == [f"torchpass: job {with_flag} is not protected: its step 0 runs each of its 4 tasks' Python "
                     "directly (srun python, one task a rank), which no launchpad supervises yet; run the script "
                     "under `srun torchrun --nproc-per-node=<ranks a node>` (one task a node) to have it protected"], said
-    assert out_with.read_text().count("task\n") == 4 and "one task" in out_with.read_text()
+    lines = out_with.read_text().splitlines()
+    assert lines.count("task") == 4 and lines.count("one task") == 1, lines  # the tasks' own output, untouched
     assert "torchpass" not in out_without.read_text()
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.orchestrator_stubs import JOB, orchestrator
 from torchpass_common import protocol
+from torchpassd.daemon import Orchestrator
+from torchpassd.journal import Journal
 from torchpassd.stranded import STALL_STEPS, StallWatch, StrandedWatch
 
 
@@ -34,19 +36,26 @@ def test_interrupted_ranks_are_due_after_the_grace_and_only_while_nothing_runs()
     assert watch.due("k", _workers("interrupted"), now=21.0, busy=False) == []
 
 
+async def _rerouting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started: list[tuple[str, str, str, str]],
+                     state: str) -> tuple[Orchestrator, Journal]:
+    """An orchestrator whose reroutes are only noted in ``started``, with ranks 2-3 of the job
+    on n3 at step 10 in ``state``."""
+    orch, journal, _ = await orchestrator(tmp_path)
+
+    async def reroute(job: str, seen: float, d: object) -> None:
+        started.append((job, d.node, d.ifname, d.reason))  # type: ignore[attr-defined]
+    monkeypatch.setattr(orch, "_reroute", reroute)
+    body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": state, "pid": 99} for r in (2, 3)]}
+    await orch.d.registry.on_message("n3", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
+                                                                           body=body)))
+    return orch, journal
+
+
 def test_the_orchestrator_re_forms_a_stranded_job_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[tuple[str, str, str, str]] = []
 
     async def main() -> None:
-        orch, journal, _ = await orchestrator(tmp_path)
-
-        async def reroute(job: str, seen: float, d: object) -> None:
-            started.append((job, d.node, d.ifname, d.reason))  # type: ignore[attr-defined]
-        monkeypatch.setattr(orch, "_reroute", reroute)
-        body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": "interrupted", "pid": 99}
-                                                    for r in (2, 3)]}
-        await orch.d.registry.on_message("n3", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
-                                                                               body=body)))
+        orch, journal = await _rerouting(tmp_path, monkeypatch, started, "interrupted")
         orch.stranded.grace_s = 0.0
         orch.watch_stranded()  # starts the clock
         orch.watch_stranded()
@@ -90,18 +99,10 @@ def test_a_job_going_on_or_ending_after_a_change_is_not_stalled() -> None:
 
 def test_the_orchestrator_re_forms_a_job_stalled_after_a_migration(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[str] = []
+    started: list[tuple[str, str, str, str]] = []
 
     async def main() -> None:
-        orch, journal, _ = await orchestrator(tmp_path)
-
-        async def reroute(job: str, seen: float, d: object) -> None:
-            started.append(d.reason)  # type: ignore[attr-defined]
-        monkeypatch.setattr(orch, "_reroute", reroute)
-        body = {"node": "n3", "seq": 2, "workers": [{"rank": r, "step": 10, "state": "running", "pid": 99}
-                                                    for r in (2, 3)]}
-        await orch.d.registry.on_message("n3", protocol.decode(protocol.encode(protocol.HEARTBEAT, job=JOB, gen=1,
-                                                                               body=body)))
+        orch, journal = await _rerouting(tmp_path, monkeypatch, started, "running")
         orch.stalls.floor_s = 0.0
         orch.reroutes[JOB] = (0.0, None)  # type: ignore[assignment] # a change of the job runs ...
         orch.watch_stranded()
@@ -111,5 +112,5 @@ def test_the_orchestrator_re_forms_a_job_stalled_after_a_migration(tmp_path: Pat
         await asyncio.sleep(0.1)
         journal.close()
     asyncio.run(main())
-    (reason,) = started
+    ((_, _, _, reason),) = started
     assert reason.startswith("the job completed no step for 0 s after its last migration or recovery ended"), reason

@@ -65,8 +65,7 @@ def unsupervised_notice(argv: list[str], env: dict[str, str]) -> str:
 
 def _chain() -> None:
     """Run the sitecustomize this one shadows, if any."""
-    saved = sys.path[:]
-    sys.modules.pop("sitecustomize", None)
+    saved, ours = sys.path[:], sys.modules.pop("sitecustomize", None)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
     try:
         import sitecustomize  # noqa: F401 - the next one on the path
@@ -75,6 +74,8 @@ def _chain() -> None:
             raise
     finally:
         sys.path[:] = saved
+        if "sitecustomize" not in sys.modules and ours is not None:  # none other: the import of this one ends well
+            sys.modules["sitecustomize"] = ours
 
 
 if __name__ == "sitecustomize":  # at the interpreter's start (a test imports it by another name)
