@@ -182,8 +182,13 @@ class Transparent:
             await self._reattached(w.pid, link, rank)
             raise MigrationError(f"criu dump failed, rank {rank} goes on here: {exc.message}", **where) from exc
         self.originals[_key(migration, rank)] = w
-        held = self.node_files[_key(migration, rank)] = await asyncio.to_thread(node_files.collect,
-                                                                                runner.tree(w.pid), images)
+        try:
+            held = await asyncio.to_thread(node_files.collect, runner.tree(w.pid), images)
+        except OSError as exc:
+            await self.resume_original({"rank": rank}, 0, migration)
+            raise MigrationError(f"copying what rank {rank} holds in /dev/shm failed, it goes on here: {exc}",
+                                 **where) from exc
+        self.node_files[_key(migration, rank)] = held
         resources["node_files"] = held.files.to_wire()
         from launchpad.wormhole import File, send_state  # imports torch (seconds): not at launchpad's start
 

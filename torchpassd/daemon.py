@@ -303,8 +303,8 @@ class Orchestrator:
         await self.unplanned.run(flow, flow.run([]))
 
     def watch_stranded(self) -> None:
-        """Re-form in place every job left without progress with nobody lost (stranded.py): ranks
-        left interrupted, or no step completed for a while after a change of the job ended."""
+        """Re-form in place every job whose ranks were left interrupted with nobody lost, and say so
+        of a job that completed no step for a while after a change of it ended (stranded.py)."""
         now = time.monotonic()
         for job, view in list(self.d.registry.jobs.items()):
             busy = (job in self.active or self.unplanned.waits(job) or job in self.reroutes
@@ -317,10 +317,19 @@ class Orchestrator:
                                                   "failed) while every node of the job lives, and no recovery came "
                                                   "for them")
             elif self.stalls.due(job, workers, rate, now, busy):
-                self._reform_in_place(job, sorted(int(w["rank"]) for w in workers),
-                                      f"the job completed no step for {self.stalls.limit(job):.0f} s after its "
-                                      "last migration or recovery ended (a rank waits on something that will "
-                                      "not come)")
+                self._say_stalled(job, max((int(w.get("step") or 0) for w in workers), default=0))
+
+    def _say_stalled(self, job: str, step: int) -> None:
+        """A job that stepped no more after a change of it ended: said and journaled, not acted on
+        (a long evaluation or checkpoint save looks the same from here); ranks left waiting in a
+        collective are interrupted at its timeout and recovered by the stranded rule."""
+        why = (f"job {job} completed no step for {self.stalls.limit(job):.0f} s after its last migration or "
+               f"recovery ended (at step {step}); ranks waiting in a collective are recovered in place once it times "
+               f"out ({self.d.cfg.timeouts.collective:.0f} s); a rank stopped elsewhere is not: look at the job")
+        self.log.warning("job.stalled", job=job, step=step, after_s=round(self.stalls.limit(job), 1))
+        asyncio.create_task(asyncio.to_thread(self.d.journal.add_event, "job.stalled", job_id=job,
+                                              detail={"step": step, "why": why}))
+        asyncio.create_task(self.tell_job(job, why))
 
     def _reform_in_place(self, job: str, ranks: list[int], why: str) -> None:
         view = self.d.registry.job(job)

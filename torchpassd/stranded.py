@@ -1,13 +1,14 @@
 """Jobs left without progress while every node of theirs lives, so that no death is decided and no
-recovery comes for them; left alone they wait for ever (a hung job, every GPU of it burning).
-``StrandedWatch``: ranks left interrupted (a collective failed: timed out, or was cut, e.g. during a
-migration that rolled back) that have waited out a grace with nothing of the job running.
+recovery comes for them. ``StrandedWatch``: ranks left interrupted (a collective failed: timed
+out, or was cut, e.g. during a migration that rolled back) that have waited out a grace with
+nothing of the job running; the orchestrator re-forms the job in place (reroute.py's recovery with
+nobody lost, on the path it has, every rank's collectives cut): registered ranks resume from their
+just-in-time state, unregistered ones cannot, and the job ends with the reason instead of hanging.
 ``StallWatch``: a job that, after a migration, recovery or reroute of it ended, completes no step
-for STALL_STEPS of its step times (something of the change left a rank waiting on what will not
-come: a process left stopped, a collective no peer joins). For either, the orchestrator re-forms
-the job in place (reroute.py's recovery with nobody lost, on the path it has, every rank's
-collectives cut): registered ranks resume from their just-in-time state, unregistered ones cannot,
-and the job ends with the reason instead of hanging. Both are pure: the caller brings the clock."""
+for STALL_STEPS of its step times; the orchestrator says so in the job's output and its history
+and does nothing more (a long evaluation looks the same from here): its ranks waiting in a
+collective are interrupted at the collective's timeout and become stranded ones. Both are pure:
+the caller brings the clock."""
 
 from __future__ import annotations
 
