@@ -20,8 +20,8 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,20 +35,37 @@ MODE, CUT_MODE, CRASH_MODE = "unplanned", "unplanned-cut", "unplanned-crash"
 MODES = (MODE, CUT_MODE, CRASH_MODE)
 FAULTS = ("kill", "cut", "crash")
 FAULT_OF_MODE = {MODE: "kill", CUT_MODE: "cut", CRASH_MODE: "crash"}
-DEVCLUSTER = Path(__file__).resolve().parents[1] / "contrib" / "devcluster"
+DEVCLUSTER = Path(__file__).resolve().parents[1] / "contrib" / "devcluster" / "devcluster"
 
 
-def _devcluster() -> Any | None:
-    """The dev cluster instance this machine runs (TORCHPASS_DEVCLUSTER_ID), if it is up."""
-    if not (DEVCLUSTER / "tpdevcluster").is_dir():
-        return None
-    sys.path.insert(0, str(DEVCLUSTER))
-    try:
-        from tpdevcluster import instance  # noqa: PLC0415 - the dev cluster tool, off sys.path by default
-    finally:
-        sys.path.remove(str(DEVCLUSTER))
-    inst = instance.Instance.from_env()
-    return inst if inst.nodes else None
+class DevClusterTool:
+    """The dev cluster's own command (contrib/devcluster/devcluster), run as a program for its node
+    faults (kill-node, cut, heal, start-node) when the drill's cluster is the dev cluster running
+    here (TORCHPASS_DEVCLUSTER_ID picks the instance). Nothing of contrib is imported."""
+
+    def __init__(self, tool: Path, say: Callable[[str], None]) -> None:
+        self.tool, self.say = tool, say
+
+    @classmethod
+    def serving(cls, cluster_name: str, say: Callable[[str], None]) -> DevClusterTool | None:
+        """The tool, if this checkout has one and its instance (with nodes) is the cluster ``cluster_name``."""
+        if not os.access(DEVCLUSTER, os.X_OK):
+            return None
+        res = subprocess.run([str(DEVCLUSTER), "status", "--json"], capture_output=True, text=True, timeout=60,
+                             check=False)
+        try:
+            info = json.loads(res.stdout) if res.returncode == 0 else {}
+        except ValueError:
+            return None
+        return cls(DEVCLUSTER, say) if info.get("nodes") and info.get("cluster_name") == cluster_name else None
+
+    def __call__(self, verb: str, node: str) -> None:
+        res = subprocess.run([str(self.tool), verb, node], capture_output=True, text=True, timeout=180, check=False)
+        for line in (res.stdout + res.stderr).splitlines():
+            self.say(line)
+        if res.returncode != 0:
+            raise MigrationError(f"`devcluster {verb} {node}` failed (status {res.returncode})",
+                                 hint=(res.stderr.strip().splitlines() or ["see its output above"])[-1])
 
 
 def _config(drill: Drill) -> dict[str, str]:
@@ -77,11 +94,10 @@ class Fault:
         if kind not in FAULTS:
             raise MigrationError(f"unknown fault {kind!r}", hint=f"use one of {', '.join(FAULTS)}")
         self.drill, self.kind = drill, kind
-        self.inst = _devcluster()
         self.slurm_config = _config(drill)  # which cluster, and where its slurmds keep their pids
-        if self.inst is not None and self.slurm_config.get("ClusterName") != self.inst.cluster_name:
-            self.inst = None  # a dev cluster runs here, but the drill's slurmctld is another cluster's
-        if kind == "cut" and self.inst is None:
+        # the dev cluster's own tool, when the drill's slurmctld is the dev cluster running here
+        self.devcluster = DevClusterTool.serving(self.slurm_config.get("ClusterName", ""), drill.say)
+        if kind == "cut" and self.devcluster is None:
             raise MigrationError("the network-cut drill needs the dev cluster",
                                  hint="use --fault kill on a real cluster")
         self.node = ""
@@ -89,18 +105,13 @@ class Fault:
     def inject(self, node: str, pids: list[int]) -> float:
         """Strike ``node`` (crash: its worker ``pids[0]`` only); returns the wall time of the fault."""
         self.node = node
-        if self.kind == "crash" and self.inst is not None:  # the dev cluster's nodes share our pid namespace
+        if self.kind == "crash" and self.devcluster is not None:  # the dev cluster's nodes share our pid namespace
             at = time.time()
             os.kill(pids[0], signal.SIGKILL)
             return at
-        if self.inst is not None:
-            sys.path.insert(0, str(DEVCLUSTER))
-            try:
-                from tpdevcluster import faults  # noqa: PLC0415
-            finally:
-                sys.path.remove(str(DEVCLUSTER))
+        if self.devcluster is not None:
             at = time.time()
-            (faults.kill_node if self.kind == "kill" else faults.cut)(self.inst, node, self.drill.say)
+            self.devcluster("kill-node" if self.kind == "kill" else "cut", node)
             return at
         # A real cluster: a step on the node SIGKILLs, by pid, the job's workers, their launchpad,
         # its slurmstepd and the node's slurmd (from its pid file), and nothing else there.
@@ -115,20 +126,12 @@ class Fault:
         """Bring the node back (dev cluster; elsewhere the operator restarts its slurmd)."""
         if self.kind == "crash":  # the node was never down
             return
-        if self.inst is None or not self.node:
+        if self.devcluster is None or not self.node:
             if self.node:
                 self.drill.say(f"[drill] {self.node}: restart its slurmd and resume it (scontrol update "
                                f"nodename={self.node} state=resume)")
             return
-        sys.path.insert(0, str(DEVCLUSTER))
-        try:
-            from tpdevcluster import faults  # noqa: PLC0415
-        finally:
-            sys.path.remove(str(DEVCLUSTER))
-        if self.kind == "cut":
-            faults.heal(self.inst, self.node, self.drill.say)
-        else:
-            faults.start_node(self.inst, self.node, self.drill.say)
+        self.devcluster("heal" if self.kind == "cut" else "start-node", self.node)
         with contextlib.suppress(TorchPassError):  # not down (yet): nothing to resume
             self.drill.runner.run(["scontrol", "update", f"nodename={self.node}", "state=resume"])
 

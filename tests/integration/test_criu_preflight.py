@@ -83,3 +83,51 @@ def test_a_device_held_by_a_forked_child_is_named_before_any_pause(tmp_path: Pat
     finally:
         os.kill(worker, signal.SIGKILL)  # the namespace's init: its child goes with it
         launcher.wait(timeout=10)
+
+
+# The worker forks a child that listens on ADDRESS (as a metrics exporter or a DataLoader's helper
+# might) and on all addresses; the worker itself listens on ADDRESS too (as its process group does).
+LISTENER = """
+import os, socket, sys, time
+def listen(host):
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.bind((host, 0))
+    s.listen()
+    return s
+keep = [listen(sys.argv[1])]
+if os.fork() == 0:
+    keep.pop().close()  # its copy of the worker's (as torchpass.severing.disown does for a process group's)
+    keep += [listen(sys.argv[1]), listen("0.0.0.0"), listen("127.0.0.1")]
+    print(keep[0].getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def _node_address() -> str:
+    """One address of this machine that is neither loopback nor the wildcard."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=False).stdout
+    found = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+    found = [a for a in found if not a.startswith("127.")]
+    if not found:
+        pytest.skip("this machine has no IPv4 address but loopback")
+    return found[0]
+
+
+def test_a_child_listening_on_one_address_of_this_node_is_named(tmp_path: Path) -> None:
+    address = _node_address()
+    out = tmp_path / "out"
+    launcher = spawn.start([sys.executable, "-c", LISTENER, address], output=out)
+    worker = spawn.worker_pid(launcher)
+    try:
+        deadline = time.monotonic() + 10
+        while not out.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = int(out.read_text().split()[0])
+        ((task, where),) = preflight.held_listeners(worker)  # the child's; not the worker's own, not 0.0.0.0
+        assert (task, where) == (preflight.runner.tree(worker)[1], f"{address}:{port}")
+        assert any(f"listens on {address}:{port}, an address of this node only" in r
+                   for r in preflight.reasons(worker))
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", LISTENER[:40]], check=False)
+        launcher.wait(timeout=10)

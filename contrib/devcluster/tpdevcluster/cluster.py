@@ -181,6 +181,7 @@ def status(inst: Instance) -> dict[str, Any]:
     reserved = slurmctl.reservation_nodes(inst) if ctld else None
     return {
         "id": inst.id,
+        "cluster_name": inst.cluster_name,
         "up": bool(inst.nodes) and ctld and all(daemons_now.values()),
         "state_dir": str(inst.state_dir),
         "slurm_conf": str(inst.slurm_conf),
