@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from criu_hooks import proc_sockets
 from criu_hooks.errors import CriuFailed
 from torchpass_common.errors import ProtocolError
 
@@ -193,21 +194,8 @@ def _shm_names(held: set[tuple[int, int]]) -> dict[tuple[int, int], list[str]]:
 
 def _bound_sockets(pids: list[int]) -> list[str]:
     """The file system paths of the unix sockets the tasks hold (abstract ones have none)."""
-    paths = {}
-    with contextlib.suppress(OSError):
-        for row in Path("/proc/net/unix").read_text().splitlines()[1:]:
-            cols = row.split()  # Num RefCount Protocol Flags Type St Inode [Path]
-            if len(cols) > 7 and cols[7].startswith("/"):
-                paths[cols[6]] = cols[7]
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.scandir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd.path)
-                    if target.startswith("socket:[") and target[8:-1] in paths:
-                        found.add(paths[target[8:-1]])
-    return sorted(found)
+    paths = proc_sockets.unix()
+    return sorted({paths[i] for pid in pids for i in proc_sockets.held(pid) if paths.get(i)})
 
 
 def _remap(path: str) -> bool:

@@ -12,7 +12,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from criu_hooks import cuda, locate, runner, spawn
+from criu_hooks import cuda, locate, proc_sockets, runner, spawn
 from criu_hooks.errors import CriuUnavailable, CudaCheckpointUnsupported
 
 
@@ -97,20 +97,8 @@ def held_listeners(pid: int) -> list[tuple[int, str]]:
             cols = row.split()
             if len(cols) > 9 and cols[3] == "0A" and (where := _specific(cols[1])):
                 listening[cols[9]] = where
-    found = []
-    for task in runner.tree(pid)[1:]:
-        try:
-            fds = list(Path(f"/proc/{task}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:[") and (where := listening.get(target[8:-1])):
-                found.append((task, where))
-    return sorted(set(found))
+    return sorted({(task, listening[i]) for task in runner.tree(pid)[1:] for i in proc_sockets.held(task)
+                   if i in listening})
 
 
 def _specific(local: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from criu_hooks import image_owner, node_files, preflight, runner
+from criu_hooks import image_owner, node_files, preflight, proc_sockets, runner
 from criu_hooks import spawn as criu_spawn
 from criu_hooks.errors import CriuFailed, CriuUnavailable
 from launchpad import workers
@@ -403,16 +403,7 @@ async def _sockets_closed(pid: int, where: dict[str, Any]) -> None:
     refuses a connected unix stream socket whose peer is outside the dumped tree."""
     deadline = time.monotonic() + _SOCKETS_CLOSED_S
     while True:
-        rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
-        unix = {row[6] for row in rows if len(row) > 6}  # Num RefCount Protocol Flags Type St Inode [Path]
-        held = set()
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in unix:
-                held.add(target)
+        held = {f"socket:[{i}]" for i in proc_sockets.held(pid) & proc_sockets.unix().keys()}
         if not held:
             return
         if time.monotonic() > deadline:

@@ -69,9 +69,9 @@ class Orchestrator:
         self.retry_at: dict[tuple[str, str], float] = {}
         self.failed_spares: dict[tuple[str, str], list[str]] = {}  # spares that could not take a node's ranks
         self.rollbacks: dict[tuple[str, str], int] = {}  # migrations of this incident that rolled back
-        t = deps.cfg.timeouts  # a stranded rank waits for the failure detector first
-        self.stranded = StrandedWatch(t.heartbeat_dead_after + 2 * t.heartbeat_interval)
-        self.stalls = StallWatch(t.heartbeat_dead_after + 2 * t.heartbeat_interval)
+        t = deps.cfg.timeouts  # a stranded rank (a stall) waits for the failure detector first
+        grace = t.heartbeat_dead_after + 2 * t.heartbeat_interval
+        self.stranded, self.stalls = StrandedWatch(grace), StallWatch(grace)
         self.active: dict[str, asyncio.Task[None]] = {}
         self.current: dict[str, planned.Flow] = {}  # job -> its running (or last) migration
         self.reroutes: dict[str, tuple[float, link_policy.Decision]] = {}  # job -> (wall time seen, the path wanted)
