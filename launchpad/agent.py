@@ -25,7 +25,7 @@ from launchpad.rendezvous import Rendezvous, joiner_membership, store_listening
 from launchpad.spec import LaunchSpec
 from launchpad.watchdog import Watchdog
 from torchpass_common import agent_channel as ac
-from torchpass_common import collective_path, log
+from torchpass_common import collective_path, log, task_handover
 from torchpass_common.config import Config
 from torchpass_common.errors import TorchPassError
 
@@ -56,6 +56,7 @@ class Agent:
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="launchpad-store")
         self._stop = asyncio.Event()
         self._signal: int | None = None
+        self.desk: task_handover.TaskDesk | None = None  # srun python: this node's other tasks hand over here
         self._log = log.get(job=spec.job, node=self.node)
 
     async def _store(self, fn: Any, *args: Any) -> Any:
@@ -74,6 +75,9 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self.channel.start()
+            if self.spec.as_tasks and ac.ENV_JOIN_PLAN not in os.environ:  # a joiner is no task of the step
+                self.desk = task_handover.TaskDesk(os.environ, self.spec.nproc_per_node - 1)
+                await loop.run_in_executor(None, self.desk.gather)
             # a joiner's place is its join plan (joiner_membership); a hot spare's, the node it is seated for
             if ac.ENV_JOIN_PLAN not in os.environ and not self.spec.hot_spare:
                 self.rdzv = await self._store(Rendezvous, self.spec)
@@ -103,7 +107,8 @@ class Agent:
             m = joiner_membership(spec) if self.rdzv is None else await self._store(self.rdzv.join, rnd)
             self.world_size = m.world_size
             self.group = WorkerGroup(spec, m, restarts, self.channel.path, hold_s=self._crash_hold_s(),
-                                     on_held=lambda: self.beat_now(), settled=self._workers_settled)
+                                     on_held=lambda: self.beat_now(), settled=self._workers_settled,
+                                     tasks=self.desk.tasks if self.desk else None)
             self.channel.on_resumed = lambda link, group=self.group: group.resumed(link.pid)
             if not self.spec.hot_spare:
                 await self.group.start()
@@ -216,9 +221,15 @@ class Agent:
 
 
 def run(spec: LaunchSpec, config: Config) -> int:
-    """Run one launchpad agent to completion and return its exit code."""
+    """Run one launchpad agent to completion and return its exit code (also each srun python task's
+    that handed itself over to it)."""
+    agent = Agent(spec, config)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(Agent(spec, config).main())
-    return uvloop.run(Agent(spec, config).main())
+        code = asyncio.run(agent.main())
+    else:
+        code = uvloop.run(agent.main())
+    if agent.desk is not None:
+        agent.desk.release(code)
+    return code

@@ -62,6 +62,9 @@ def _opt(*names: str, **kw: object):  # noqa: ANN202 - click decorator factory
               help="TorchPass job id (control plane); default: the Slurm job id in a --torchpass job.")
 @click.option("--node", default=lambda: os.environ.get("SLURMD_NODENAME"),
               help="This node's name (control plane); default: Slurm's name for it, else the hostname.")
+@click.option("--as-tasks", is_flag=True,
+              help="Each worker is a task of a srun python step (the node's other tasks hand themselves over); "
+                   "set by TorchPass's start-up hook, not by hand.")
 @click.option("--config", "config_path", default=None, help="TorchPass config file (broker, timeouts).")
 @click.option("--broker", default=lambda: os.environ.get("TORCHPASS_BROKER"),
               help="MQTT broker HOST[:PORT], overriding [broker] of the config (env TORCHPASS_BROKER).")
@@ -72,6 +75,8 @@ def main(**opts: object) -> None:
     try:
         log.setup(CONSOLE_LOG_LEVEL)  # the console only, until the run's log file is known
         spec = build_spec(opts, os.environ)
+        if spec.as_tasks:  # a srun python task's stderr shows torch's warnings of its rank, none of launchpad's store
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         config = with_broker(configmod.load(opts["config_path"]), opts["broker"])  # type: ignore[arg-type]
         config.timeouts.validate()
         from launchpad.output import own_log_file  # deferred: --help stays fast
@@ -90,7 +95,7 @@ def main(**opts: object) -> None:
                           hint="every node of the step trains and none is kept as a hot spare")
     if joining:
         _check_workdir(spec.node, spec.nproc_per_node, log_file)
-    if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1 and not joining:  # torchrun warns the same
+    if "OMP_NUM_THREADS" not in os.environ and spec.nproc_per_node > 1 and not joining and not spec.as_tasks:  # torchrun warns the same
         log.get().warning("workers.omp_num_threads", value=1, nproc_per_node=spec.nproc_per_node,
                           hint="OMP_NUM_THREADS=1 for each worker by default, so the workers do not "
                                "overload the node; set it yourself to tune performance")
@@ -144,7 +149,8 @@ def build_spec(opts: dict, env: os._Environ[str] | dict[str, str]) -> specmod.La
         tee=specmod.parse_std_mask(str(opts["tee"]), nproc), role=str(opts["role"]),
         console_ranks=specmod.parse_ranks_filter(str(opts["local_ranks_filter"])),
         log_line_prefix_template=opts.get("log_line_prefix_template") or None,
-        output_args=_output_args(opts),
+        output_args=_output_args(opts), as_tasks=bool(opts["as_tasks"]),
+        first_task_env=dict(env) if opts["as_tasks"] else {},
         monitor_interval=float(opts["monitor_interval"]),  # type: ignore[arg-type]
         grace_period=float(opts["grace_period"]), job=opts["job"], node=opts["node"] or socket.gethostname(),  # type: ignore[arg-type]
         **rdzv_conf,

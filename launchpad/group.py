@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from launchpad.spec import LaunchSpec
 from launchpad.standby import Standby
 from torchpass_common import agent_channel, log
 from torchpass_common.errors import ProtocolError, WorkerError
+from torchpass_common.task_handover import HandedTask
 from torchpass_common.transfer_address import TransferAddress
 
 STANDBY_WAIT_S = 0.5  # how often a standby not started yet looks whether the workers settled
@@ -78,9 +79,11 @@ class WorkerGroup:
 
     def __init__(self, spec: LaunchSpec, m: Membership, restarts: int, socket_path: str, *,
                  hold_s: float = 0.0, on_held: Callable[[], None] = lambda: None,
-                 settled: Callable[[], bool] = lambda: True) -> None:
+                 settled: Callable[[], bool] = lambda: True, tasks: Mapping[int, HandedTask] | None = None) -> None:
         self.spec, self.m, self.restarts, self.socket_path = spec, m, restarts, socket_path
-        self.router = OutputRouter(spec, attempt=restarts)
+        self.tasks = dict(tasks or {})  # srun python: the local ranks' tasks that handed themselves over
+        self.router = OutputRouter(spec, attempt=restarts,
+                                   local={lr: (t.stdout, t.stderr) for lr, t in self.tasks.items()})
         self.workers: dict[int, workers.Worker] = {}
         self._exited: asyncio.Queue[workers.Worker] = asyncio.Queue()
         self.told_to_exit: set[int] = set()  # pids the abort/exit commands asked to exit
@@ -98,20 +101,25 @@ class WorkerGroup:
         self._standby_task: asyncio.Task[None] | None = None
         self._log = log.get(job=spec.job, node=spec.node, round=m.round)
 
+    def _env(self, m: Membership, local_rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        task = self.tasks.get(local_rank)
+        return workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra,
+                                  task=task.env if task else None)
+
     async def start(self) -> None:
         if self.hold:  # a spare's launchpad waiting for a worker criu restores here
             return
         plan = join_plan(self.m.local_world_size)
         for local_rank in range(self.m.local_world_size):
             if plan is None:
-                env = workers.worker_env(self.spec, self.m, local_rank, self.restarts, self.socket_path)
+                env = self._env(self.m, local_rank)
                 await self._add(self.m.rank_offset + local_rank, local_rank, env)
                 continue
             rank = plan["ranks"][local_rank]  # this node takes the place of a leaving (or lost) node
             m = dataclasses.replace(self.m, world_size=plan["world_size"], rank_offset=rank - local_rank,
                                     node_rank=plan["group_rank"], nnodes=plan["group_world_size"])
-            env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
-                agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank].wire())})
+            env = self._env(m, local_rank, {agent_channel.ENV_JOIN: "1",
+                                            agent_channel.ENV_JOIN_SOURCE: json.dumps(plan["sources"][local_rank].wire())})
             env.pop(agent_channel.ENV_JOIN_PLAN, None)  # every worker sees only its own source and token
             await self._add(rank, local_rank, env)
         self.keep_standby()
@@ -145,7 +153,7 @@ class WorkerGroup:
         while not self.settled():  # its torch import would slow theirs (and a joiner's) on a node of few cores
             await asyncio.sleep(STANDBY_WAIT_S)
         while len(self.standbys) < self.standbys_wanted:  # one by one: each imports torch
-            env = workers.worker_env(self.spec, self.m, 0, self.restarts, self.socket_path)
+            env = self._env(self.m, 0)
             try:
                 self.standbys.append(await Standby.start(self.spec, env))
             except OSError as exc:  # a rebuild then starts its worker cold, as without a standby
@@ -173,8 +181,7 @@ class WorkerGroup:
         else:
             local_rank = max((w.local_rank for w in self.workers.values()), default=-1) + 1
         m = dataclasses.replace(self.m, world_size=world_size, rank_offset=rank - local_rank)
-        env = workers.worker_env(self.spec, m, local_rank, self.restarts, self.socket_path, extra={
-            agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
+        env = self._env(m, local_rank, {agent_channel.ENV_JOIN: "1", agent_channel.ENV_JOIN_SOURCE: json.dumps(source.wire())})
         w = await self._from_standby(rank, local_rank, env) or await self._add(rank, local_rank, env)
         self.seated.set()
         if crashed is not None:

@@ -164,12 +164,14 @@ class OutputRouter:
     """Where one attempt's worker output goes, by torchrun's rules: a redirected or teed stream is
     written to its file as it comes; it reaches the console only when teed (prefixed lines) or not
     redirected at all (bytes as they are); local ranks left out by --local-ranks-filter reach only
-    their files. ``stdout``/``stderr``: the binary consoles (default: launchpad's own)."""
+    their files. ``stdout``/``stderr``: the binary consoles (default: launchpad's own); ``local``:
+    a local rank's own (a srun python task's streams, task_handover)."""
 
     def __init__(self, spec: LaunchSpec, attempt: int, *, stdout: BinaryIO | None = None,
-                 stderr: BinaryIO | None = None) -> None:
+                 stderr: BinaryIO | None = None, local: Mapping[int, tuple[BinaryIO, BinaryIO]] | None = None) -> None:
         self.spec = spec
         self._consoles = {"stdout": stdout, "stderr": stderr}
+        self._local = dict(local or {})
         self.dir: Path | None = None
         if spec.log_dir or any(spec.redirects.values()) or any(spec.tee.values()):
             self.dir = run_dir(spec) / f"attempt_{attempt}"
@@ -203,7 +205,8 @@ class OutputRouter:
         if not self.to_console(local_rank, stream):
             return None
         text = sys.stdout if stream == "stdout" else sys.stderr
-        out = self._consoles[stream] or text.buffer
+        own = self._local.get(local_rank)
+        out = (own[0] if stream == "stdout" else own[1]) if own else self._consoles[stream] or text.buffer
         teed = self._modes(local_rank, stream)[1]
         return _Console(out, self.prefix(rank, local_rank) if teed else None, getattr(text, "encoding", None))
 

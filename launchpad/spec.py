@@ -48,6 +48,8 @@ class LaunchSpec:
     job: str | None = None
     node: str | None = None
     hot_spare: bool = False  # --torchpass-spares: this node holds a warm standby instead of ranks
+    as_tasks: bool = False  # srun python: each worker is one of the step's tasks (torchpass_common.task_handover)
+    first_task_env: Mapping[str, str] = field(default_factory=dict)  # as_tasks: launchpad's, as its task had it
 
     @property
     def elastic(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 from launchpad.output import OutputRouter, Withheld
 from launchpad.rendezvous import Membership
 from launchpad.spec import LaunchSpec
-from torchpass_common import agent_channel, log
+from torchpass_common import agent_channel, log, task_handover
 
 BOOTSTRAP = "torchpass._bootstrap"
 LINE_LIMIT = 1 << 20
@@ -37,15 +37,20 @@ def command(spec: LaunchSpec) -> list[str]:
     if spec.no_python:
         return [spec.entrypoint, *spec.args]
     python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if spec.as_tasks:  # the Python the user's srun ran
+        python = os.environ.get(task_handover.ENV_TASK_PYTHON, python)
     return [python, "-u", "-m", BOOTSTRAP, *(["-m"] if spec.module else []), spec.entrypoint, *spec.args]
 
 
 def worker_env(spec: LaunchSpec, m: Membership, local_rank: int, restarts: int,
-               socket_path: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+               socket_path: str, extra: Mapping[str, str] | None = None, *,
+               task: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of one worker: launchpad's own plus what torchrun sets (same names and
-    meanings; the store is the agent's, so TORCHELASTIC_USE_AGENT_STORE is True) plus TorchPass's."""
+    meanings; the store is the agent's, so TORCHELASTIC_USE_AGENT_STORE is True) plus TorchPass's.
+    A task's rank (--as-tasks) also gets what that task of the step has (``task``: the environment
+    it handed over; a joiner's from the step, task_handover.ENV_TASK_STEP) and its place's SLURM_*."""
     rank = m.rank_offset + local_rank
-    env = dict(os.environ)
+    env = _task_env(spec, m, local_rank, task) if spec.as_tasks else dict(os.environ)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(m.node_rank),
         "ROLE_RANK": str(rank), "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(m.local_world_size),
@@ -58,9 +63,25 @@ def worker_env(spec: LaunchSpec, m: Membership, local_rank: int, restarts: int,
     })
     if spec.output_args:  # read back by torchpassd from a leaving worker's environment
         env[agent_channel.ENV_OUTPUT_ARGS] = json.dumps(list(spec.output_args))
-    if "OMP_NUM_THREADS" not in os.environ and m.local_world_size > 1:
+    if "OMP_NUM_THREADS" not in os.environ and m.local_world_size > 1 and not spec.as_tasks:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so N workers do not oversubscribe the cores
     env.update(extra or {})
+    return env
+
+
+def _task_env(spec: LaunchSpec, m: Membership, local_rank: int, task: Mapping[str, str] | None) -> dict[str, str]:
+    """A srun python task's rank: the environment the task handed over (local rank 0's: launchpad's
+    as its task had it), TorchPass's own from launchpad (TORCHPASS_*), a joiner's step variables
+    (task_handover.ENV_TASK_STEP) and the SLURM_* of its place."""
+    env = dict(task if task is not None else spec.first_task_env or os.environ)
+    env.update({k: v for k, v in os.environ.items() if k.startswith("TORCHPASS")})
+    try:
+        step = json.loads(os.environ.get(task_handover.ENV_TASK_STEP) or "{}")
+    except ValueError:
+        step = {}
+    env.update({k: v for k, v in step.items() if k in task_handover.STEP_VARS and isinstance(v, str)})
+    env.update(task_handover.rank_vars(m.rank_offset + local_rank, local_rank, m.node_rank))
+    env[task_handover.ENV_AS_TASKS] = "1"
     return env
 
 

@@ -23,7 +23,7 @@ from slurm_plugin import node_admin
 from slurm_plugin.resize import JobResizer
 from slurm_plugin.spares import SparePool
 from torchpass_common import agent_channel as ac
-from torchpass_common import log
+from torchpass_common import log, task_handover
 from torchpass_common.config import Config
 from torchpass_common.errors import MigrationError, SpareFailed, TorchPassError
 from torchpass_common.transfer_address import TransferAddress
@@ -121,6 +121,16 @@ class WorkerTemplate:
         cwd = cwd.strip()
         # Linux marks a working directory that was removed meanwhile; the joiner wants its name
         return cls(argv[0], argv[boot + 1:], env, cwd.removesuffix(" (deleted)"))
+
+    @property
+    def as_tasks(self) -> bool:
+        """The leaving rank is a srun python task's (launchpad --as-tasks): a joiner is one too."""
+        return self.env.get(task_handover.ENV_AS_TASKS) == "1"
+
+    def task_step_env(self) -> dict[str, str]:
+        """For a joiner of a srun python task's rank: the step's SLURM_* as the leaving task had them
+        (its SLURMEnvironment-style code computes the same world from them); {} for a torchrun job."""
+        return {task_handover.ENV_TASK_STEP: json.dumps(task_handover.step_vars(self.env))} if self.as_tasks else {}
 
     def output_args(self) -> list[str]:
         """The leaving node's launchpad output options (--tee, --log-dir, ...), to start the spare's
@@ -312,7 +322,7 @@ class Flow:
         config = tpl.env.get("TORCHPASS_CONFIG") or self.d.cfg.source
         entry = ["--module", *tpl.script_args[1:]] if tpl.script_args[:1] == ["-m"] else tpl.script_args
         return [tpl.python, "-m", "launchpad", "--job", p.job, "--node", target,
-                *(["--config", config] if config else []),
+                *(["--config", config] if config else []), *(["--as-tasks"] if tpl.as_tasks else []),
                 "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{p.store_host}:{p.store_port}",
                 "--rdzv-id", f"{p.job}-join-{self.id[:8]}-{target}",  # one rendezvous per joining node
@@ -340,7 +350,7 @@ class Flow:
         try:
             proc = await asyncio.to_thread(
                 self.d.resizer.start_step, int(p.job), target, self._joiner_argv(tpl, len(ranks), target),
-                extra_env={ac.ENV_JOIN_PLAN: json.dumps(plan)}, job_output=True, chdir=tpl.cwd,
+                extra_env={ac.ENV_JOIN_PLAN: json.dumps(plan), **tpl.task_step_env()}, job_output=True, chdir=tpl.cwd,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             out.close()

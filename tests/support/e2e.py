@@ -209,6 +209,9 @@ def torchpassd(tp_config: Path, devcluster: DevCluster, e2e_dir: Path,
         devcluster.reset()  # no job left, drained nodes resumed, spares restored
 
 
+SRUN_PYTHON = "srun-python"  # Training's launcher: one Slurm task a rank, no torchrun
+
+
 class Training:
     """The example DDP job as a user submits it: ``sbatch --torchpass`` of a script whose only line is
     an unchanged ``srun torchrun``, ``nproc`` workers a node. Nothing TorchPass-specific is exported:
@@ -222,16 +225,20 @@ class Training:
         ``cwd``: where sbatch runs (the job's working directory), ``workdir`` by default; ``spares``:
         hot spares in the job's allocation (``sbatch -N nodes+spares --torchpass-spares``, torchrun's
         ``--nnodes $SLURM_NNODES`` as users write it); ``launcher``: how the script runs torchrun
-        (``python -m torch.distributed.run``, a full path)."""
+        (``python -m torch.distributed.run``, a full path), or ``srun-python``: no torchrun, one Slurm
+        task a rank (``--ntasks-per-node=nproc``, ``srun python script``, as Lightning and submitit run)."""
         self.cluster, self.steps, self.nodes, self.nproc = cluster, steps, nodes, nproc
         self.world = nodes * nproc
         self.log = workdir / "train.log"
         self.out = workdir / "slurm-%j.out"
         install_site_config(cluster, config)
-        script = ("#!/bin/bash\n" +
-                  f"srun {launcher} --nnodes {'$SLURM_NNODES' if spares else nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
-                  "--rdzv-endpoint $SLURMD_NODENAME:29500 "
-                  f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n")
+        run = f"{script} {args + ' ' if args else ''}--steps {steps} --step-sleep {step_sleep} --log {self.log}\n"
+        if launcher == SRUN_PYTHON:
+            script = f"#!/bin/bash\n#SBATCH --ntasks-per-node={nproc}\nsrun {sys.executable} {run}"
+        else:
+            script = ("#!/bin/bash\n" +
+                      f"srun {launcher} --nnodes {'$SLURM_NNODES' if spares else nodes} --nproc-per-node {nproc} {torchrun_args + ' ' if torchrun_args else ''}"
+                      f"--rdzv-endpoint $SLURMD_NODENAME:29500 {run}")
         client_conf = [ln.split('"')[1] for ln in config.read_text().splitlines() if ln.startswith("slurm_conf")][0]
         (workdir / "train.sh").write_text(script)
         hot = [f"--torchpass-spares={spares}"] if spares else []
