@@ -121,10 +121,12 @@ def history(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> N
               help="Which node fails: the job's Nth node besides its batch host (1-based); 0: the last.")
 @click.option("--hot-spares", default=0, show_default=True,
               help="Submit with --torchpass-spares=N: N more nodes, warm, in the job's own allocation.")
+@click.option("--launcher", type=click.Choice(drillmod.LAUNCHERS), default=drillmod.LAUNCHERS[0], show_default=True,
+              help="How the job script starts the ranks: srun torchrun, or srun python one task a rank.")
 @_json_option
 @click.pass_context
 def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, step_sleep: float, timeout: float,
-          victim: int, hot_spares: int, as_json: bool) -> None:
+          victim: int, hot_spares: int, launcher: str, as_json: bool) -> None:
     """Validate the installation: run the example job, make one of its nodes fail, and check the
     job went on with nothing lost, bit-identical to a run without a failure, and ended COMPLETED.
 
@@ -136,7 +138,7 @@ def drill(ctx: click.Context, mode: str, steps: int, nodes: int, nproc: int, ste
     unplanned-cut        cut a node's network instead of killing it"""
     cfg = _config(ctx)
     settings = drillmod.DrillSettings(nodes=nodes, nproc=nproc, steps=steps, step_sleep=step_sleep, timeout=timeout,
-                                      victim=victim, hot_spares=hot_spares)
+                                      victim=victim, hot_spares=hot_spares, launcher=launcher)
     try:
         rep = drillmod.run(cfg, mode, settings, say=(lambda _: None) if as_json else click.echo)
     except TorchPassError as exc:

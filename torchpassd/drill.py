@@ -25,6 +25,8 @@ from torchpassd.drill_report import DrillReport, compare
 
 JOBS = Path(__file__).resolve().parent / "drill_jobs"  # shipped in the wheel: scripts the drills run, not modules
 EXAMPLE = JOBS / "ddp_train.py"
+SLURM_TASKS = JOBS / "slurm_tasks.py"  # --launcher srun-python: runs the example as SLURMEnvironment would
+LAUNCHERS = ("torchrun", "srun-python")
 MODES = ("planned-aware", drill_gpu.MODE, drill_transparent.MODE, *drill_unplanned.MODES)
 POLL = 0.5
 
@@ -33,6 +35,12 @@ _JOB_SCRIPT = """#!/bin/bash
 # (with --torchpass-spares, --nnodes $SLURM_NNODES counts the hot spares too: they are taken off it).
 srun torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-endpoint $SLURMD_NODENAME:{port} \\
     {example} {args} --log {log}
+"""
+_TASKS_SCRIPT = """#!/bin/bash
+#SBATCH --ntasks-per-node={nproc}
+# TorchPass drill (--launcher srun-python): the example DDP job started one Slurm task a rank, as Lightning,
+# submitit and NeMo-Run start it: no torchrun, ranks from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS.
+srun {python} {tasks} {example} {args} --log {log}
 """
 
 
@@ -48,6 +56,7 @@ class DrillSettings:
     state_mib: int = 0  # extra state per rank carried by save/load (bench recovery: pause vs state size)
     victim: int = 0  # which node fails: the job's Nth node that is not the batch host (1-based); 0: the last
     hot_spares: int = 0  # --torchpass-spares=N: the allocation holds N more nodes, which run no rank
+    launcher: str = LAUNCHERS[0]  # how the job script starts the ranks: srun torchrun, or srun python a task a rank
 
 
 class Drill:
@@ -130,11 +139,17 @@ class Drill:
     def _submit(self, workdir: Path) -> None:
         s = self.s
         script = workdir / "drill.sh"
-        script.write_text(_JOB_SCRIPT.format(
+        if s.launcher not in LAUNCHERS:
+            raise MigrationError(f"unknown drill launcher {s.launcher!r}", hint=f"one of {', '.join(LAUNCHERS)}")
+        if s.launcher != "torchrun" and s.hot_spares:
+            raise MigrationError("--hot-spares needs --launcher torchrun: with one task a rank the script counts "
+                                 "every task of the step, the spares' too", hint="drop --hot-spares")
+        template = _JOB_SCRIPT if s.launcher == "torchrun" else _TASKS_SCRIPT
+        script.write_text(template.format(
             nproc=s.nproc, nodes="$SLURM_NNODES" if s.hot_spares else s.nodes, port=s.rdzv_port, example=self.script,
             args=" ".join([*self.script_args, "--steps", str(s.steps), "--step-sleep", str(s.step_sleep),
                            *(["--state-mib", str(s.state_mib)] if s.state_mib else [])]),
-            log=workdir / "train.log"))
+            log=workdir / "train.log", python=sys.executable, tasks=SLURM_TASKS))
         hot = [f"--torchpass-spares={s.hot_spares}"] if s.hot_spares else []
         out = self.runner.run(["sbatch", "--parsable", f"--torchpass={self.sbatch_mode}", *hot, f"-N{s.nodes + s.hot_spares}",
                                "-o", str(workdir / "slurm-%j.out"), str(script)], cwd=str(workdir))

@@ -1,5 +1,5 @@
 """One Slurm task a rank, as Lightning's SLURMEnvironment, submitit and NeMo-Run launch:
-``#SBATCH --ntasks-per-node=2`` and ``srun python ddp_slurm_tasks.py``, ranks from SLURM_PROCID,
+``#SBATCH --ntasks-per-node=2`` and ``srun python slurm_tasks.py ddp_train.py``, ranks from SLURM_PROCID,
 SLURM_LOCALID and SLURM_NTASKS, no torchrun and nothing but ``--torchpass`` added. Each node's tasks
 are supervised by one launchpad; a drained node's ranks move and a killed node's are rebuilt on the
 spare with the SLURM_* a task there would have; the job ends COMPLETED 0:0, bit-identical to an
@@ -7,6 +7,7 @@ undisturbed run of the same training, and each task's output is what it is witho
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,14 +33,15 @@ from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
-SCRIPT = EXAMPLE.parent / "ddp_slurm_tasks.py"
+SCRIPT = EXAMPLE.parent / "slurm_tasks.py"  # runs the script it is given as SLURMEnvironment would
+FSDP = EXAMPLE.parents[2] / "contrib" / "examples" / "fsdp_train.py"
 STEPS, STEP_SLEEP = 150, 0.2
 NODES, NPROC = 3, 2
 
 
 def _training(devcluster: DevCluster, tp_config: Path, workdir: Path, mode: str = "aware") -> Training:
     return Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                    script=SCRIPT, mode=mode, launcher=SRUN_PYTHON)
+                    script=SCRIPT, args=str(EXAMPLE), mode=mode, launcher=SRUN_PYTHON)
 
 
 def _victim(view: dict) -> tuple[str, list[int]]:
@@ -71,6 +73,7 @@ def test_a_drained_node_of_a_srun_python_job_moves_its_tasks_ranks(
 
 
 @pytest.mark.faults
+@pytest.mark.matrix  # CI: a srun python rank's joiner (drained above); a killed node's recovery (test_unplanned_migration.py)
 def test_a_killed_node_of_a_srun_python_job_is_rebuilt_from_a_replica(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
     job = _training(devcluster, tp_config, workdir)
@@ -115,7 +118,7 @@ def test_each_tasks_output_is_what_it_is_without_torchpass(torchpassd: Daemon, d
     for flag in ("--torchpass", ""):
         (workdir / "tasks.sh").write_text(
             f"#!/bin/bash\n#SBATCH --ntasks-per-node={NPROC}\n"
-            f"srun -l {sys.executable} {SCRIPT} --steps 20 "
+            f"srun -l {sys.executable} {SCRIPT} {EXAMPLE} --steps 20 "
             f"--log {workdir}/tasks{flag}.log\n"
             f"srun -l -n{NODES} --ntasks-per-node=1 sh -c 'echo $SLURM_NODEID done' 1>&2\n")
         res = subprocess.run(["sbatch", "--parsable", "--wait", *([flag] if flag else []), f"-N{NODES}",
@@ -134,3 +137,39 @@ def test_each_tasks_output_is_what_it_is_without_torchpass(torchpassd: Daemon, d
     assert sorted(plain[0]) == list(range(NODES * NPROC)), plain[0]
     assert all(len(lines) == 20 for lines in plain[0].values()), plain[0]
     assert protected == plain
+
+
+def test_a_drained_node_of_a_srun_python_fsdp2_job_moves_its_shards(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """FSDP2 over 2 nodes x 2 tasks under ``srun python``: the drained node's two shards move in one
+    pause; COMPLETED 0:0, bit-identical to the same training under torchrun."""
+    from tests.e2e.test_sharded_jobs import undisturbed  # the torchrun reference of the same layout
+
+    job = Training(devcluster, tp_config, workdir, steps=100, step_sleep=STEP_SLEEP, nodes=2, nproc=2,
+                   script=SCRIPT, args=f"{FSDP} --mesh fsdp", launcher=SRUN_PYTHON)
+    view = job.wait_running(torchpassd)
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    assert len(moved) == 2, view
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["ranks"]) == moved, handed
+    devcluster.resume(victim)
+    assert_bit_identical(job.wait_done(), undisturbed(workdir, "fsdp"))
+    _finished(devcluster, job)
+
+
+@pytest.mark.matrix  # CI: the same moves of srun python jobs, above
+@pytest.mark.parametrize("mode", ["planned-aware", "planned-transparent", "unplanned"])
+def test_drill_with_the_srun_python_launcher_passes(torchpassd: Daemon, tp_config: Path, mode: str) -> None:
+    res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
+                          "--mode", mode, "--launcher", "srun-python", "--json", "--steps", "150", "--nodes", "3",
+                          "--nproc-per-node", "2", "--step-sleep", str(STEP_SLEEP)],
+                         capture_output=True, text=True, timeout=900)
+    report = json.loads(res.stdout)
+    assert res.returncode == 0, report
+    assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
+    assert report["job_state"] == "COMPLETED" and len(report["moved_ranks"]) == 2, report
+    assert report["mode"] == mode and report["migrated_to"] == "n5", report

@@ -116,24 +116,29 @@ def test_torchrun_by_another_name_runs_launchpad_only_under_torchpass(devcluster
     assert "the user sitecustomize ran\nplain python" in plain, plain
 
 
-def test_a_step_of_bare_python_tasks_says_once_that_it_is_not_protected(devcluster: DevCluster,
-                                                                        torchpass_conf: str) -> None:
-    """``srun python`` one task a rank (Lightning, submitit) runs no launchpad: its output says so
-    once, whatever the number of tasks; a one-task step and a job without --torchpass say nothing."""
+def test_a_srun_python_step_that_cannot_be_supervised_runs_as_it_is_and_says_why_once(
+        devcluster: DevCluster, torchpass_conf: str, tmp_path: Path) -> None:
+    """``srun python`` one task a rank whose tasks are numbered cyclically over the nodes (a node's
+    ranks are not consecutive) cannot get one launchpad a node: every task runs the script itself,
+    untouched, and the step's first task says why, once; ``python -c`` and a job without --torchpass
+    say nothing."""
     devcluster.reset()
     venv = ROOT / ".venv" / "bin"
-    script = (f"srun -O -N2 --ntasks-per-node=2 {venv}/python -c 'print(\"task\")'\n"  # -O: 1 CPU a node
-              f"srun -N1 -n1 {venv}/python -c 'print(\"one task\")'\n")
+    task = tmp_path / "task.py"
+    task.write_text("print('task')\n")
+    script = (f"srun -O -N2 --ntasks-per-node=2 -m cyclic {venv}/python {task}\n"  # -O: 1 CPU a node
+              f"srun -O -N2 --ntasks-per-node=2 {venv}/python -c 'print(\"code\")'\n")
     with_flag, out_with = submit(devcluster, torchpass_conf, script, "--torchpass", "-N2")
     without, out_without = submit(devcluster, torchpass_conf, script, "-N2")
     devcluster.wait_job_state(with_flag, "COMPLETED", timeout=90)
     devcluster.wait_job_state(without, "COMPLETED", timeout=90)
     said = [ln for ln in out_with.read_text().splitlines() if ln.startswith("torchpass:")]
     assert said == [f"torchpass: job {with_flag} is not protected: its step 0 runs each of its 4 tasks' Python "
-                    "directly (srun python, one task a rank), which no launchpad supervises yet; run the script "
-                    "under `srun torchrun --nproc-per-node=<ranks a node>` (one task a node) to have it protected"], said
+                    "directly (srun python, one task a rank) and its tasks are numbered cyclic over its nodes; a "
+                    "node's ranks must be consecutive (srun -m block, the default); or run the script under `srun "
+                    "torchrun --nproc-per-node=<ranks a node>` (one task a node)"], said
     lines = out_with.read_text().splitlines()
-    assert lines.count("task") == 4 and lines.count("one task") == 1, lines  # the tasks' own output, untouched
+    assert lines.count("task") == 4 and lines.count("code") == 4, lines  # the tasks' own output, untouched
     assert "torchpass" not in out_without.read_text()
 
 
