@@ -28,6 +28,7 @@ from torchpass import (
     group_identity,
     handover,
     layout,
+    pipeline_schedules,
     recovery,
     steps,
 )
@@ -211,19 +212,25 @@ class Agent:
         """Park when the next iteration's forward starts, so that the script's own work after
         opt.step() (scheduler, its step variable, logging, a loss all-reduce) belongs to step S on
         every rank, the joiner included. With DDP: DDP's forward. Without (FSDP2, tensor parallel,
-        a plain module): the first forward of any module. A script seen running a whole step
-        without any module forward parks at once from then on (returns ``gen`` to park in now). The
-        hook exists only until it fires."""
+        a plain module): the first forward of any module. A pipeline stage: the start of its
+        schedule's next step (pipeline_schedules), which comes before any of its stages' forwards.
+        A script seen running a whole step without any module forward parks at once from then on
+        (returns ``gen`` to park in now). The hooks exist only until one fires."""
         if self._forwardless:
             return gen
         handles: list[Any] = []
 
-        def before_forward(_module: Any, _inputs: Any) -> None:
+        def park_here() -> None:
             for h in handles:
                 h.remove()
             self._armed = None
             self._park_paused(gen)
 
+        def before_forward(_module: Any, _inputs: Any) -> None:
+            park_here()
+
+        if (next_step := pipeline_schedules.before_next_step(park_here)) is not None:
+            handles.append(next_step)  # a pipeline stage parks before its schedule's next step, first
         ddps = ddp_layout.live()
         if ddps:
             handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)

@@ -86,6 +86,13 @@ class JobView:
         """Ranks whose state no other rank holds (pure FSDP, tensor parallel): a node death loses them."""
         return sorted(r for r, holders in self.replicas.items() if holders == [r])
 
+    def replicas_on_one_node(self) -> list[int]:
+        """Ranks whose every copy is on their own node (a pipeline stage whose data-parallel ranks
+        share a node): a lost worker can be rebuilt, a node death loses them."""
+        node = {w["rank"]: lp.node for lp in self.launchpads.values() for w in lp.workers}
+        return sorted(r for r, holders in self.replicas.items()
+                      if r in node and len(holders) > 1 and {node.get(h) for h in holders} == {node[r]})
+
     def unplanned(self) -> str:
         """What unplanned recovery can do for this job, as its workers reported their layout."""
         if not self.replicas:
@@ -94,7 +101,11 @@ class JobView:
         if alone:
             return (f"unplanned: no replica of ranks {rank_ranges.span(alone)}, falls back to requeue "
                     "(the job restarts from its last checkpoint)")
-        return f"unplanned: every rank has a replica (at least {min(len(h) for h in self.replicas.values())} copies)"
+        copies = f"every rank has a replica (at least {min(len(h) for h in self.replicas.values())} copies)"
+        if shared := self.replicas_on_one_node():
+            return (f"unplanned: {copies}, but every copy of ranks {rank_ranges.span(shared)} is on their own "
+                    "node: a lost worker is rebuilt, a node death there falls back to requeue")
+        return f"unplanned: {copies}"
 
     def protection(self) -> protection.Protection:
         """Which migration protects the job now, from what the workers of its online launchpads did."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,39 +26,22 @@ from tests.support.e2e import (
     Training,
     assert_bit_identical,
     assert_every_line_once,
-    once_per_session,
     sacct_state,
+    torchrun_reference,
     wait_until,
 )
-from torchpassd.drill_report import read_log
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mqtt, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "contrib" / "examples" / "fsdp_train.py"
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS, STEP_SLEEP, NODES, NPROC = 100, 0.2, 2, 2
 LATE_GROUP_AT = 60  # the drain tests' jobs make a new process group at this step
 
 
 def undisturbed(workdir: Path, mesh: str, extra: str = "") -> Reference:
     """The same training, same layout (NODES torchrun agents of NPROC ranks), no failure."""
-    def run() -> Reference:
-        log = workdir / "reference.log"
-        log.unlink(missing_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        agents = [subprocess.Popen([TORCHRUN, "--nnodes", str(NODES), "--nproc-per-node", str(NPROC),
-                                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                                    "--rdzv-id", "reference", str(EXAMPLE), "--mesh", mesh, *extra.split(), "--steps", str(STEPS),
-                                    "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                  for _ in range(NODES)]
-        for agent in agents:
-            _, err = agent.communicate(timeout=600)
-            assert agent.returncode == 0, err[-3000:]
-        return read_log(log)
-    return once_per_session(("torchrun", EXAMPLE, mesh, extra, NODES, NPROC, STEPS), run)
+    return torchrun_reference(workdir, EXAMPLE, f"--mesh {mesh} {extra}", nodes=NODES, nproc=NPROC, steps=STEPS)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", pytest.param("hsdp", marks=pytest.mark.matrix),

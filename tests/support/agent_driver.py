@@ -1,7 +1,9 @@
 """A test-only stand-in for launchpad's side of the agent channel (tests/unit/test_worker_migration.py,
 test_mesh_migration.py, test_agent_park.py): hosts the agent socket and the job's TCPStore, starts
 worker processes of a training script through the torchpass bootstrap, and sends them the
-commands launchpad would (pause, save, re-form, resume, exit). Plus reading the scripts' JSON logs."""
+commands launchpad would (pause, save, re-form, resume, exit). Plus reading the scripts' JSON logs,
+and the whole replacement of one rank by a new process compared with an undisturbed run
+(replace_rank)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,3 +235,59 @@ class Tap:
         if isinstance(got, Exception):
             raise got
         return got
+
+
+def finished(procs: list[subprocess.Popen]) -> None:
+    """Each of ``procs`` ended well."""
+    for proc in procs:
+        rc = proc.wait(timeout=WAIT)
+        assert rc in (0, -6), (proc.args, rc)  # -6: torch 2.13 gloo teardown abort after the final line
+
+
+def undisturbed_run(drivers: Callable[..., Driver], script: Path, args: list[str], *, world: int, steps: int,
+                    finals_alike: bool = True) -> tuple[dict, dict]:
+    """Losses and final parameter hashes of ``script`` run undisturbed on ``world`` ranks, without
+    the agent; ``finals_alike``: every rank hashes the same whole model (not a pipeline's stages)."""
+    ref = drivers("reference", world, ["--steps", str(steps), *args], script)
+    ref_logs = [ref.tmp / f"rank{r}.jsonl" for r in range(world)]
+    finished([ref.start(r, ref_logs[r], agent=False) for r in range(world)])
+    ref_losses, ref_finals = read_logs(*ref_logs)
+    assert len(ref_losses) == world * steps and len(ref_finals) == world
+    assert len(set(ref_finals.values())) == 1 or not finals_alike
+    return ref_losses, ref_finals
+
+
+def replace_rank(drivers: Callable[..., Driver], script: Path, args: list[str], *, world: int, steps: int,
+                 leaving: int, replicas: dict[int, list[int]], finals_alike: bool = True) -> None:
+    """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
+    (state through the wormhole); losses and final parameters must be bit-identical.
+    Each rank reports once which ranks hold its state: ``replicas``."""
+    ref_losses, ref_finals = undisturbed_run(drivers, script, args, world=world, steps=steps, finals_alike=finals_alike)
+
+    d = drivers("replace", world, ["--steps", str(steps), "--step-sleep", "0.05", *args], script)
+    dest, source = handover_ends()
+    joiner_log = d.tmp / "joiner.jsonl"
+    joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
+    new = d.hellos.get(timeout=WAIT)
+    assert new.hello["joining"] and new.hello["rank"] == leaving
+    assert new.inbox.get(timeout=WAIT) == {"t": ac.READY}  # mesh, subgroups and model built alone
+    logs = [d.tmp / f"rank{r}.jsonl" for r in range(world)]
+    workers = [d.start(r, logs[r]) for r in range(world)]
+    d.connect(world)
+    d.wait_steps(3)
+    assert {r: link.replicas for r, link in d.links.items()} == {r: [replicas[r]] for r in range(world)}
+    at_step = d.pause_all(gen=2, margin=3)
+    d.send(leaving, ac.SAVE, dest=dest)
+    assert d.expect(leaving, ac.SAVED)["bytes"] > 0
+    assert new.inbox.get(timeout=WAIT) == {"t": ac.JOINED, "step": at_step}
+    d.send(leaving, ac.EXIT)
+    assert workers[leaving].wait(timeout=WAIT) == 0
+    d.links[leaving] = new
+    d.reform_and_resume(gen=2)
+    finished([w for r, w in enumerate(workers) if r != leaving] + [joiner])
+
+    losses, finals = read_logs(*logs, joiner_log)
+    assert at_step < steps - 2
+    assert losses == ref_losses
+    assert finals == ref_finals
+    assert min(s for (_, s) in read_logs(joiner_log)[0]) == at_step

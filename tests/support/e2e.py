@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -285,6 +286,29 @@ def reference(e2e_dir: Path) -> Callable[..., Reference]:
     def get(steps: int, script: Path = EXAMPLE) -> Reference:
         return read_log(reference_log(e2e_dir, 4, steps, script))
     return get
+
+
+def torchrun_reference(workdir: Path, script: Path, args: str, *, nodes: int, nproc: int, steps: int) -> Reference:
+    """``script`` (with ``args``) for ``steps`` steps without a failure on the layout of a job:
+    ``nodes`` torchrun agents of ``nproc`` ranks on this machine (LOCAL_WORLD_SIZE as on the
+    cluster), rendezvous over c10d; run once per session."""
+    def run() -> Reference:
+        log = workdir / f"reference-{script.stem}-{nodes}x{nproc}.log"
+        log.unlink(missing_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        agents = [subprocess.Popen([torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
+                                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                    "--rdzv-id", "reference", str(script), *args.split(), "--steps", str(steps),
+                                    "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for _ in range(nodes)]
+        for agent in agents:
+            _, err = agent.communicate(timeout=600)
+            assert agent.returncode == 0, err[-3000:]
+        return read_log(log)
+    return once_per_session(("torchrun", script, args, nodes, nproc, steps), run)
 
 
 def reference_log(workdir: Path, ranks: int, steps: int, script: Path = EXAMPLE, args: str = "") -> Path:

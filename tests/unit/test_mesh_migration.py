@@ -8,11 +8,19 @@ gloo run."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.support.agent_driver import ROOT, SCRIPT_PRELUDE, WAIT, handover_ends, read_logs
+from tests.support.agent_driver import (
+    ROOT,
+    SCRIPT_PRELUDE,
+    WAIT,
+    finished,
+    handover_ends,
+    read_logs,
+    replace_rank,
+    undisturbed_run,
+)
 from torchpass_common import agent_channel as ac
 
 WORLD, STEPS = 4, 14
@@ -75,63 +83,12 @@ dist.destroy_process_group()
 '''
 
 
-def _finished(d, procs) -> None:
-    for proc in procs:
-        rc = proc.wait(timeout=WAIT)
-        assert rc in (0, -6), (proc.args, rc)  # -6: torch 2.13 gloo teardown abort after the final line
-
-
-def _reference(drivers, script: Path, args: list[str]) -> tuple[dict, dict]:
-    """Losses and final parameter hashes of ``script`` run undisturbed, without the agent."""
-    ref = drivers("reference", WORLD, ["--steps", str(STEPS), *args], script)
-    ref_logs = [ref.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
-    _finished(ref, [ref.start(r, ref_logs[r], agent=False) for r in range(WORLD)])
-    ref_losses, ref_finals = read_logs(*ref_logs)
-    assert len(ref_losses) == WORLD * STEPS and len(set(ref_finals.values())) == 1
-    return ref_losses, ref_finals
-
-
-def _replace_rank(drivers, script: Path, args: list[str], leaving: int, replicas: dict[int, list[int]]) -> None:
-    """Run ``script`` undisturbed, then again replacing rank ``leaving`` by a new process mid-run
-    (state through the wormhole); losses and final parameters must be bit-identical.
-    Each rank reports once which ranks hold its state: ``replicas``."""
-    ref_losses, ref_finals = _reference(drivers, script, args)
-
-    d = drivers("replace", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05", *args], script)
-    dest, source = handover_ends()
-    joiner_log = d.tmp / "joiner.jsonl"
-    joiner = d.start(leaving, joiner_log, **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source)})
-    new = d.hellos.get(timeout=WAIT)
-    assert new.hello["joining"] and new.hello["rank"] == leaving
-    assert new.inbox.get(timeout=WAIT) == {"t": ac.READY}  # mesh, subgroups and model built alone
-    logs = [d.tmp / f"rank{r}.jsonl" for r in range(WORLD)]
-    workers = [d.start(r, logs[r]) for r in range(WORLD)]
-    d.connect(WORLD)
-    d.wait_steps(3)
-    assert {r: link.replicas for r, link in d.links.items()} == {r: [replicas[r]] for r in range(WORLD)}
-    at_step = d.pause_all(gen=2, margin=3)
-    d.send(leaving, ac.SAVE, dest=dest)
-    assert d.expect(leaving, ac.SAVED)["bytes"] > 0
-    assert new.inbox.get(timeout=WAIT) == {"t": ac.JOINED, "step": at_step}
-    d.send(leaving, ac.EXIT)
-    assert workers[leaving].wait(timeout=WAIT) == 0
-    d.links[leaving] = new
-    d.reform_and_resume(gen=2)
-    _finished(d, [w for r, w in enumerate(workers) if r != leaving] + [joiner])
-
-    losses, finals = read_logs(*logs, joiner_log)
-    assert at_step < STEPS - 2
-    assert losses == ref_losses
-    assert finals == ref_finals
-    assert min(s for (_, s) in read_logs(joiner_log)[0]) == at_step
-
-
 @pytest.mark.slow
 def test_replacing_a_rank_of_an_hsdp_job_reforms_every_subgroup_bit_identically(drivers, tmp_path):
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
     # replicate x shard on a 2 x 2 mesh: ranks 0 and 2 hold one shard, 1 and 3 the other
-    _replace_rank(drivers, script, [], leaving=2, replicas={0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]})
+    replace_rank(drivers, script, [], world=WORLD, steps=STEPS, leaving=2, replicas={0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]})
 
 
 @pytest.mark.slow
@@ -140,7 +97,7 @@ def test_replacing_a_rank_of_the_fsdp2_example_moves_its_dcp_shards_bit_identica
     """contrib/examples/fsdp_train.py: save/load are DCP get_state_dict/set_state_dict of DTensor
     shards; they cross the wormhole as local shards and become DTensors on the joiner's mesh."""
     alone = {r: [r] for r in range(WORLD)}  # every rank its own shard: no replica (unplanned: requeue)
-    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], leaving=1, replicas=alone)
+    replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", mesh], world=WORLD, steps=STEPS, leaving=1, replicas=alone)
 
 
 @pytest.mark.slow
@@ -148,7 +105,8 @@ def test_a_group_the_script_made_in_its_loop_before_the_move_is_adopted_by_the_j
     """fsdp_train.py --new-group-at 1 makes a group at step 1 (before the pause): the joiner, which
     starts past that step, adopts it from the record; its own new_group of it returns that group."""
     alone = {r: [r] for r in range(WORLD)}
-    _replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", "fsdp", "--new-group-at", "1"], leaving=3, replicas=alone)
+    replace_rank(drivers, FSDP_EXAMPLE, ["--mesh", "fsdp", "--new-group-at", "1"], world=WORLD, steps=STEPS,
+                 leaving=3, replicas=alone)
 
 
 @pytest.mark.slow
@@ -159,7 +117,7 @@ def test_a_joiner_that_builds_another_mesh_fails_the_migration_and_the_job_goes_
     torchpassd's reform back does) and the run ends bit-identical to an undisturbed one."""
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
-    ref_losses, ref_finals = _reference(drivers, script, [])
+    ref_losses, ref_finals = undisturbed_run(drivers, script, [], world=WORLD, steps=STEPS)
     d = drivers("disagree", WORLD, ["--steps", str(STEPS), "--step-sleep", "0.05"], script)
     dest, source = handover_ends()
     joiner = d.start(2, d.tmp / "joiner.jsonl", **{ac.ENV_JOIN: "1", ac.ENV_JOIN_SOURCE: json.dumps(source),
@@ -181,5 +139,5 @@ def test_a_joiner_that_builds_another_mesh_fails_the_migration_and_the_job_goes_
     joiner_log = d.tmp / "joiner.jsonl"
     assert not joiner_log.exists() or not joiner_log.read_text()  # it never trained
     d.reform_and_resume(gen=3)
-    _finished(d, workers)
+    finished(workers)
     assert read_logs(*logs) == (ref_losses, ref_finals)

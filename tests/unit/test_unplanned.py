@@ -313,6 +313,23 @@ def test_hsdp_lost_ranks_are_rebuilt_from_the_same_shard_of_another_replica_grou
     w.close()
 
 
+def test_pipeline_stages_whose_replicas_share_a_node_are_said_to_fall_back_to_requeue(tmp_path: Path) -> None:
+    """Stage k on node k, its data-parallel copies within the node: every rank has a replica,
+    none on another node. `torchpassctl jobs` says so while the job trains; a node death there takes
+    the requeue fallback, never a recovery that cannot be."""
+    w, rec = _sharded_world(tmp_path, lambda r: [r - r % 2, r - r % 2 + 1])
+    requeued: list[tuple[int, str]] = []
+    w.slurm.requeue = lambda job, node, reason: requeued.append((job, node))  # type: ignore[attr-defined]
+    assert rec.view().unplanned() == ("unplanned: every rank has a replica (at least 2 copies), but every copy of "
+                                      "ranks 0-5 is on their own node: a lost worker is rebuilt, a node death "
+                                      "there falls back to requeue")
+    now = time.time()
+    status = asyncio.run(rec.run([Death("7", "n3", (4, 5), ("Last Will",), now - 1.0, now - 0.5)]))
+    assert status == jn.FAILED and requeued == [(7, "n3")] and w.slurm.added == []
+    assert "no surviving rank holds a replica of ranks [4, 5] lost with n3" in w.journal.history()[0].error
+    w.close()
+
+
 def test_a_pure_fsdp_node_death_requeues_the_job_with_the_reason(tmp_path: Path) -> None:
     """No rank holds another's shard: the recovery takes no spare and hands the job back to Slurm."""
     w, rec = _sharded_world(tmp_path, lambda r: [r])
