@@ -5,10 +5,13 @@ moves to the spare and the pipeline goes on with the same stage placement; a kil
 are rebuilt from their replicas on the other node; the job ends COMPLETED 0:0 and every stage's
 losses and final parameters are bit-identical to an undisturbed run of the same layout. The GPipe
 drain and the node death run in CI; the 1F1B transparent drain, the interleaved schedule's drain and
-the requeue fallback of a stage whose copies share a node under ``-m matrix``."""
+the requeue fallback of a stage whose copies share a node, and the in-place rebuild of one killed
+stage worker from its copy on that node under ``-m matrix``."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,25 @@ def test_node_death_of_a_stage_whose_copies_share_the_node_falls_back_to_a_reque
     assert wait_until("Slurm to run the job again", lambda: "Restarts=1" in devcluster.run(
         "scontrol", "show", "job", job.job).stdout, 60)
     devcluster.run("scancel", job.job)
+
+
+@pytest.mark.faults
+@pytest.mark.matrix  # CI: the in-place recovery of a DDP job (test_rank_recovery.py)
+def test_a_stage_worker_killed_on_a_healthy_node_is_rebuilt_in_place_from_its_copy_on_that_node(
+        torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
+    """kill -9 of one rank of stage 1 (stage k on node k): its copy on the same node donates, the
+    rank restarts on its own node, the pipeline's stages initialise again together, and the job
+    ends COMPLETED 0:0, bit-identical."""
+    args = "--schedule gpipe --layout across"
+    job = pipeline_job(devcluster, tp_config, workdir, args)
+    view = job.wait_running(torchpassd, min_step=5)
+    assert wait_until("the job's layout", lambda: "every rank has a replica" in (
+        torchpassd.job(job.job) or {}).get("unplanned", ""), 30)
+    node = next(n for n in view["nodes"] if n != view["batch_host"])
+    victim = max(view["launchpads"][node]["workers"], key=lambda w: w["rank"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    mig = torchpassd.wait_migration(job.job, node, timeout=180)
+    assert mig["status"] == "succeeded" and mig["mode"] == "unplanned-aware" and not mig["target"], mig
+    phases = {p["phase"]: p.get("detail", {}) for p in mig["phases"]}
+    assert phases["joiner_ready"]["in_place"] is True and phases["joiner_ready"]["ranks"] == [victim["rank"]], phases
+    assert_completed_like(job, devcluster, workdir, args, killed=[victim["rank"]])
