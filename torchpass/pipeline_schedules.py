@@ -62,12 +62,14 @@ def _wrap() -> bool:
     module = sys.modules.get(SCHEDULES_MODULE)
     if module is None:
         return False
-    for cls in list(vars(module).values()):
-        if isinstance(cls, type) and issubclass(cls, module._PipelineSchedule):
-            step = vars(cls).get("step")
-            if step is not None and not getattr(step, "__isabstractmethod__", False) \
-                    and not getattr(step, "_torchpass", False):
-                cls.step = _wrapped(step)
+    pending = [module._PipelineSchedule]
+    while pending:  # torch's schedules and the script's own subclasses, whichever defines step()
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        step = vars(cls).get("step")
+        if step is not None and not getattr(step, "__isabstractmethod__", False) \
+                and not getattr(step, "_torchpass", False):
+            cls.step = _wrapped(step)
     return True
 
 
