@@ -21,8 +21,9 @@ class Spare:
     state: str = ""
 
 
-def spare_problem(node: Node | None, name: str, snap: Snapshot) -> str:
-    """Why node ``name`` of the reservation cannot be used as a spare now ("" = it can)."""
+def spare_problem(node: Node | None, name: str, users: list[int]) -> str:
+    """Why node ``name`` of the reservation cannot be used as a spare now ("" = it can); ``users``:
+    the active jobs on it."""
     if node is None:
         return "unknown to slurmctld"
     if node.down:
@@ -33,7 +34,6 @@ def spare_problem(node: Node | None, name: str, snap: Snapshot) -> str:
         return "drained" + (f": {node.reason}" if node.reason else "")
     if not node.healthy:
         return node.describe()
-    users = sorted(j.job_id for j in snap.jobs.values() if j.active and name in j.nodes)
     if users or not node.idle:
         return "in use" + (f" by job {', '.join(map(str, users))}" if users else f" ({node.state})")
     return ""
@@ -44,10 +44,15 @@ def spares_of(snap: Snapshot, reservation: str) -> list[Spare]:
     resv = snap.reservations.get(reservation)
     if resv is None:
         return []
+    spares = set(resv.nodes)
+    users: dict[str, list[int]] = {}  # spare -> active jobs on it, one pass over the jobs' nodes
+    for j in sorted(snap.jobs.values(), key=lambda j: j.job_id):
+        for name in spares.intersection(j.nodes) if j.active else ():
+            users.setdefault(name, []).append(j.job_id)
     out = []
     for name in resv.nodes:
         node = snap.nodes.get(name)
-        why = "reservation not active" if not resv.active else spare_problem(node, name, snap)
+        why = "reservation not active" if not resv.active else spare_problem(node, name, users.get(name, []))
         out.append(Spare(name, not why, why, node.describe() if node else "?"))
     return out
 
