@@ -1,7 +1,7 @@
 """The worker's end of launchpad's commands. A reader thread receives commands (and answers a
 pause for a step boundary already gone past at once); the training thread carries them out at step
-boundaries: it reports each step, parks after the step launchpad chose (before the next forward of
-DDP or, without DDP, of any module), and while parked saves (hand-over), re-forms, resumes or exits.
+boundaries: it reports each step, parks after the step launchpad chose (where the next iteration
+starts: park_point), and while parked saves (hand-over), re-forms, resumes or exits.
 A joining rank parks inside register() after loading the donor's state. No collective is added to
 any step."""
 
@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from torchpass import (
     busy_time,
@@ -28,7 +27,7 @@ from torchpass import (
     group_identity,
     handover,
     layout,
-    pipeline_schedules,
+    park_point,
     recovery,
     steps,
 )
@@ -74,7 +73,7 @@ class Agent:
         self.log = log.get(rank=rank)
         self.rejoin: recovery.Rejoin | None = None  # set while a survivor re-enters its script, until loaded
         self._reported: tuple[float, bool] = (-REPORT_EVERY_S, False)  # (when, registered) of the last report
-        self._armed: tuple[int, list[Any]] | None = None  # (gen, hooks) waiting for the next forward
+        self._armed: tuple[int, list[park_point.Hook]] | None = None  # (gen, hooks) waiting for the next iteration
         self._forwardless = False  # a step ran without any module forward: park at the step boundary
         self._layout_sent = False
         self._busy = busy_time.BusyMeter()
@@ -209,43 +208,24 @@ class Agent:
         return None
 
     def _park_before_next_forward(self, gen: int) -> int | None:
-        """Park when the next iteration's forward starts, so that the script's own work after
-        opt.step() (scheduler, its step variable, logging, a loss all-reduce) belongs to step S on
-        every rank, the joiner included. With DDP: DDP's forward. Without (FSDP2, tensor parallel,
-        a plain module): the first forward of any module. A pipeline stage: the start of its
-        schedule's next step (pipeline_schedules), which comes before any of its stages' forwards.
-        A script seen running a whole step without any module forward parks at once from then on
-        (returns ``gen`` to park in now). The hooks exist only until one fires."""
+        """Park where the next iteration starts (park_point). A script seen running a whole step
+        without any module forward parks at once from then on (returns ``gen`` to park in now)."""
         if self._forwardless:
             return gen
-        handles: list[Any] = []
 
         def park_here() -> None:
-            for h in handles:
-                h.remove()
             self._armed = None
             self._park_paused(gen)
 
-        def before_forward(_module: Any, _inputs: Any) -> None:
-            park_here()
-
-        if (next_step := pipeline_schedules.before_next_step(park_here)) is not None:
-            handles.append(next_step)  # a pipeline stage parks before its schedule's next step, first
-        ddps = ddp_layout.live()
-        if ddps:
-            handles.extend(d.register_forward_pre_hook(before_forward) for d in ddps)
-        else:
-            handles.append(register_module_forward_pre_hook(before_forward))
-        self._armed = (gen, handles)
+        self._armed = (gen, park_point.arm(park_here))
         return None
 
     def _disarm_forwardless(self, step: int) -> None:
         """A whole step ran without the forward the pause waited for: this script's steps run no
         module forward. The pause is missed (torchpassd tries again); the next one parks at once."""
         assert self._armed is not None
-        gen, handles = self._armed
-        for h in handles:
-            h.remove()
+        gen, hooks = self._armed
+        park_point.disarm(hooks)
         self._armed, self._forwardless = None, True
         self._missed(gen, step, why="a step ran without any module forward")
 

@@ -23,6 +23,7 @@ from tests.support.e2e import (
     Training,
     assert_bit_identical,
     assert_every_line_once,
+    drain_a_worker_node,
     sacct_state,
     torchrun_reference,
     wait_until,
@@ -59,16 +60,7 @@ def test_aware_drain_moves_a_whole_stage_and_the_pipeline_goes_on(
     spare in one pause, and the pipeline re-forms with the same placement."""
     args = f"--schedule {schedule} --layout across"
     job = pipeline_job(devcluster, tp_config, workdir, args)
-    view = job.wait_running(torchpassd)
-    victim = next(n for n in view["nodes"] if n != view["batch_host"])
-    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
-    assert len(moved) == NPROC, view
-    devcluster.drain(victim, "planned maintenance")
-    mig = torchpassd.wait_migration(job.job, victim)
-    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
-    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
-    assert sorted(handed["detail"]["ranks"]) == moved, handed
-    devcluster.resume(victim)
+    drain_a_worker_node(torchpassd, devcluster, job, job.wait_running(torchpassd), NPROC)
     assert_completed_like(job, devcluster, workdir, args)
     assert_every_line_once(job)
 

@@ -26,6 +26,7 @@ from tests.support.e2e import (
     Training,
     assert_bit_identical,
     assert_every_line_once,
+    drain_a_worker_node,
     sacct_state,
     torchrun_reference,
     wait_until,
@@ -51,17 +52,8 @@ def test_aware_drain_of_a_sharded_job_moves_the_nodes_shards_and_ends_completed(
     # from step 60 on, the loss is also averaged over a group the script makes then: after the move
     job = Training(devcluster, tp_config, workdir, steps=STEPS, step_sleep=STEP_SLEEP, nodes=NODES, nproc=NPROC,
                    script=EXAMPLE, args=f"--mesh {mesh} --new-group-at {LATE_GROUP_AT}")
-    view = job.wait_running(torchpassd)
-    victim = next(n for n in view["nodes"] if n != view["batch_host"])
-    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
-    assert len(moved) == NPROC, view
-    devcluster.drain(victim, "planned maintenance")
-    mig = torchpassd.wait_migration(job.job, victim)
-    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
-    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
-    assert sorted(handed["detail"]["ranks"]) == moved, handed  # the node's every shard, in one pause
+    mig = drain_a_worker_node(torchpassd, devcluster, job, job.wait_running(torchpassd), NPROC)
     assert next(p for p in mig["phases"] if p["phase"] == "resumed")["detail"]["resumed_at_step"] < LATE_GROUP_AT
-    devcluster.resume(victim)
     assert_bit_identical(job.wait_done(), undisturbed(workdir, mesh, f"--new-group-at {LATE_GROUP_AT}"))
     devcluster.wait_job_state(job.job, ("COMPLETED",), timeout=120)
     assert sacct_state(devcluster, job.job) == "COMPLETED 0:0"

@@ -25,6 +25,7 @@ from tests.support.e2e import (
     Training,
     assert_bit_identical,
     assert_every_line_once,
+    drain_a_worker_node,
     install_site_config,
     reference_log,
     sacct_state,
@@ -163,16 +164,7 @@ def test_a_drained_node_of_a_srun_python_fsdp2_job_moves_its_shards(
 
     job = Training(devcluster, tp_config, workdir, steps=100, step_sleep=STEP_SLEEP, nodes=2, nproc=2,
                    script=SCRIPT, args=f"{FSDP} --mesh fsdp", launcher=SRUN_PYTHON)
-    view = job.wait_running(torchpassd)
-    victim = next(n for n in view["nodes"] if n != view["batch_host"])
-    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
-    assert len(moved) == 2, view
-    devcluster.drain(victim, "planned maintenance")
-    mig = torchpassd.wait_migration(job.job, victim)
-    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
-    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
-    assert sorted(handed["detail"]["ranks"]) == moved, handed
-    devcluster.resume(victim)
+    drain_a_worker_node(torchpassd, devcluster, job, job.wait_running(torchpassd), 2)
     assert_bit_identical(job.wait_done(), undisturbed(workdir, "fsdp"))
     _finished(devcluster, job)
 

@@ -344,6 +344,23 @@ def sacct_state(devcluster: DevCluster, job: str, timeout: float = 30) -> str:
         time.sleep(0.5)
 
 
+def drain_a_worker_node(torchpassd: Daemon, devcluster: DevCluster, job: Training, view: dict[str, Any],
+                        nproc: int) -> dict[str, Any]:
+    """Drain a node of a model-aware ``job`` other than its batch host: all of its ``nproc`` ranks
+    are handed over to the spare n5 in one pause, the migration succeeds, and the node is resumed.
+    Returns the migration's record."""
+    victim = next(n for n in view["nodes"] if n != view["batch_host"])
+    moved = sorted(w["rank"] for w in view["launchpads"][victim]["workers"])
+    assert len(moved) == nproc, view
+    devcluster.drain(victim, "planned maintenance")
+    mig = torchpassd.wait_migration(job.job, victim)
+    assert mig["status"] == "succeeded" and mig["target"] == "n5", mig
+    handed = next(p for p in mig["phases"] if p["phase"] == "handed_over")
+    assert sorted(handed["detail"]["ranks"]) == moved, handed  # the node's every rank, in one pause
+    devcluster.resume(victim)
+    return mig
+
+
 def assert_every_line_once(job: Training) -> None:
     """The job's output holds each rank's progress line for each step exactly once (the moved
     ranks' lines after the migration too), and no task of the job was reported failed."""
