@@ -44,11 +44,6 @@ class NextStep:
             _before_step.remove(self.callback)
 
 
-def loaded() -> bool:
-    """Has this process imported torch's pipeline schedules?"""
-    return SCHEDULES_MODULE in sys.modules
-
-
 def before_next_step(callback: Callable[[], None]) -> NextStep | None:
     """Call ``callback`` (once) when the next schedule ``step()`` starts, before any of its
     micro-batches; None when this process runs no pipeline schedule (nothing to wait for)."""
