@@ -111,6 +111,7 @@ def test_a_fabric_link_down_reroutes_over_the_fallback_and_back(
     ends_completed_and_identical(job, devcluster, want)
 
 
+@pytest.mark.matrix  # CI: a fabric link down rerouted and back, both links down
 def test_a_flapping_fabric_link_is_damped_to_one_switch(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path, reference) -> None:  # noqa: ANN001
     job = start(devcluster, tp_config, workdir, torchpassd)

@@ -4,9 +4,9 @@ replicating each stage over its data-parallel ranks), 2 nodes x 2 ranks. A drain
 moves to the spare and the pipeline goes on with the same stage placement; a killed node's stages
 are rebuilt from their replicas on the other node; the job ends COMPLETED 0:0 and every stage's
 losses and final parameters are bit-identical to an undisturbed run of the same layout. The GPipe
-drain and the node death run in CI; the 1F1B transparent drain, the interleaved schedule's drain and
-the requeue fallback of a stage whose copies share a node, and the in-place rebuild of one killed
-stage worker from its copy on that node under ``-m matrix``."""
+drain runs in CI; the node death, the 1F1B transparent drain, the interleaved schedule's drain, the
+requeue fallback of a stage whose copies share a node, and the in-place rebuild of one killed stage
+worker from its copy on that node under ``-m matrix``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def test_aware_drain_moves_a_whole_stage_and_the_pipeline_goes_on(
 
 
 @pytest.mark.faults
+@pytest.mark.matrix  # CI: the pipeline drain, the HSDP node death (test_sharded_jobs.py)
 def test_node_death_rebuilds_each_stage_from_its_replica_on_the_other_node(
         torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
     """The stages within each node, data parallel across nodes: each node holds a whole pipeline.

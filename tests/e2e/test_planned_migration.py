@@ -69,6 +69,7 @@ def training(devcluster: DevCluster, tp_config: Path, workdir: Path, daemon: Dae
     return job
 
 
+@pytest.mark.matrix  # CI: the aware drain of a two-rank node (test_real_jobs.py), the unplanned drills
 def test_drill_two_ranks_a_node_reports_ok_bit_identical_and_completed(torchpassd: Daemon, tp_config: Path) -> None:
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
                           "--mode", "planned-aware", "--json", "--steps", str(STEPS), "--nodes", "2",

@@ -61,6 +61,7 @@ def test_aware_drain_of_a_sharded_job_moves_the_nodes_shards_and_ends_completed(
 
 
 @pytest.mark.criu
+@pytest.mark.matrix  # CI: the transparent drain of a two-rank node (test_real_jobs.py)
 def test_transparent_drain_of_an_fsdp2_job_moves_its_worker_processes_and_ends_completed(
         criu: None, torchpassd: Daemon, devcluster: DevCluster, tp_config: Path, workdir: Path) -> None:
     """No help from the script: CRIU captures the node's two FSDP2 worker processes (their gloo

@@ -30,6 +30,7 @@ def _criu(criu: None) -> None:
     """Every test here needs a working criu (the shared fixture skips with the reason)."""
 
 
+@pytest.mark.matrix  # CI: the transparent drain of a two-rank node (test_real_jobs.py)
 def test_drill_planned_transparent_reports_ok_and_bit_identical(torchpassd: Daemon, tp_config: Path) -> None:
     assert "torchpass" not in SCRIPT.read_text().split('"""', 2)[2].lower()  # its code, past the docstring
     res = subprocess.run([str(Path(sys.executable).parent / "torchpassctl"), "--config", str(tp_config), "drill",
