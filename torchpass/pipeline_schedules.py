@@ -23,8 +23,8 @@ from torchpass import default_group
 from torchpass_common import log
 
 SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
-# A schedule's "stages initialised" flags (PipelineScheduleSingle's, PipelineScheduleMulti's, and
-# their names before torch 2.8): cleared, the next step() runs the stages' initialisation again.
+# A schedule's "stages initialised" flags (torch 2.13's PipelineScheduleSingle and PipelineScheduleMulti,
+# and the single flag of older releases): cleared, the next step() runs the stages' initialisation again.
 _INIT_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized",
                "_stages_forward_initialized", "_stages_backward_initialized",
                "_stage_initialized", "_stages_initialized")
